@@ -1,0 +1,1 @@
+"""Prometheus rules and Alertmanager config, generated from the fleet spec."""

@@ -1,0 +1,1 @@
+"""Grafana dashboards, generated with grafanalib from the fleet spec."""

@@ -1,0 +1,385 @@
+"""The metric contract: every metric, label, alert name, severity and port of inferwatch.
+
+The sidecar, the GPU exporter, the rule generator and the dashboards take names from
+here; nothing else spells a metric name (``tests/test_contract.py`` enforces it). A
+rename here is a breaking change for every fleet that stores these series.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+MetricType = Literal["counter", "gauge", "histogram", "info"]
+
+
+@dataclass(frozen=True, slots=True)
+class Metric:
+    """One metric family as exposed (for counters, ``name`` excludes the ``_total`` suffix
+    only where prometheus_client adds it; ``exposed`` is what Prometheus stores)."""
+
+    name: str
+    type: MetricType
+    help: str
+    labels: tuple[str, ...]
+    unit: str = ""
+    source: Literal["sidecar", "gpu_exporter", "dcgm", "triton", "prometheus"] = "sidecar"
+
+    @property
+    def exposed(self) -> str:
+        """The series name as Prometheus stores it (histograms add _bucket/_sum/_count)."""
+        return self.name
+
+
+# ---------------------------------------------------------------------------------------
+# Label names
+# ---------------------------------------------------------------------------------------
+L_MODEL = "model"
+L_VERSION = "version"
+L_PROTOCOL = "protocol"  # "http" | "grpc"
+L_CODE = "code"  # HTTP status ("200") or gRPC code name ("UNAVAILABLE")
+L_OUTCOME = "outcome"
+L_UPSTREAM = "upstream"
+
+# dcgm-exporter's labels, spelled as it spells them.
+L_GPU = "gpu"
+L_UUID = "UUID"
+L_DEVICE = "device"
+L_MODEL_NAME = "modelName"
+L_HOSTNAME = "Hostname"
+L_POD = "pod"
+L_NAMESPACE = "namespace"
+L_CONTAINER = "container"
+
+PROTOCOL_HTTP = "http"
+PROTOCOL_GRPC = "grpc"
+
+OUTCOME_SUCCESS = "success"
+OUTCOME_CLIENT_ERROR = "client_error"
+OUTCOME_SERVER_ERROR = "server_error"
+OUTCOMES = (OUTCOME_SUCCESS, OUTCOME_CLIENT_ERROR, OUTCOME_SERVER_ERROR)
+
+# The value every model name outside the upstream's repository (or past the cap) collapses to.
+MODEL_OVERFLOW = "__other__"
+# The value for requests that name no model (health checks, repository index, ...).
+MODEL_NONE = ""
+
+GPU_LABELS = (L_GPU, L_UUID, L_DEVICE, L_MODEL_NAME, L_HOSTNAME)
+GPU_POD_LABELS = (*GPU_LABELS, L_POD, L_NAMESPACE, L_CONTAINER)
+
+# ---------------------------------------------------------------------------------------
+# Sidecar (prefix inferwatch_)
+# ---------------------------------------------------------------------------------------
+REQUESTS_TOTAL = Metric(
+    "inferwatch_requests_total",
+    "counter",
+    "Requests proxied to the model server, by model, version, protocol, status code and outcome.",
+    (L_MODEL, L_VERSION, L_PROTOCOL, L_CODE, L_OUTCOME),
+)
+REQUEST_DURATION = Metric(
+    "inferwatch_request_duration_seconds",
+    "histogram",
+    "Time from the request's first byte to the response's last byte, as the sidecar saw it.",
+    (L_MODEL, L_VERSION, L_PROTOCOL, L_OUTCOME),
+    unit="seconds",
+)
+REQUESTS_IN_FLIGHT = Metric(
+    "inferwatch_requests_in_flight",
+    "gauge",
+    "Requests accepted by the sidecar and not yet answered.",
+    (L_MODEL,),
+)
+REQUEST_BYTES = Metric(
+    "inferwatch_request_bytes_total",
+    "counter",
+    "Request body bytes received from clients.",
+    (L_MODEL, L_PROTOCOL),
+    unit="bytes",
+)
+RESPONSE_BYTES = Metric(
+    "inferwatch_response_bytes_total",
+    "counter",
+    "Response body bytes sent to clients.",
+    (L_MODEL, L_PROTOCOL),
+    unit="bytes",
+)
+MODEL_LATENCY_SLA = Metric(
+    "inferwatch_model_latency_sla_seconds",
+    "gauge",
+    "The latency SLA the sidecar was configured with for this model.",
+    (L_MODEL,),
+    unit="seconds",
+)
+UPSTREAM_UP = Metric(
+    "inferwatch_upstream_up",
+    "gauge",
+    "1 when the sidecar's last contact with the upstream succeeded, else 0.",
+    (L_UPSTREAM,),
+)
+
+SIDECAR_METRICS = (
+    REQUESTS_TOTAL,
+    REQUEST_DURATION,
+    REQUESTS_IN_FLIGHT,
+    REQUEST_BYTES,
+    RESPONSE_BYTES,
+    MODEL_LATENCY_SLA,
+    UPSTREAM_UP,
+)
+
+# ---------------------------------------------------------------------------------------
+# GPU: dcgm-exporter's names, units and labels (so a fleet running dcgm-exporter works
+# unchanged with inferwatch's rules and dashboards).
+# ---------------------------------------------------------------------------------------
+
+
+def _dcgm(name: str, type_: MetricType, help_: str, unit: str = "") -> Metric:
+    return Metric(name, type_, help_, GPU_POD_LABELS, unit=unit, source="dcgm")
+
+
+DCGM_GPU_UTIL = _dcgm("DCGM_FI_DEV_GPU_UTIL", "gauge", "GPU utilization (in %).", "percent")
+DCGM_MEM_COPY_UTIL = _dcgm("DCGM_FI_DEV_MEM_COPY_UTIL", "gauge", "Memory utilization (in %).", "percent")
+DCGM_FB_FREE = _dcgm("DCGM_FI_DEV_FB_FREE", "gauge", "Framebuffer memory free (in MiB).", "MiB")
+DCGM_FB_USED = _dcgm("DCGM_FI_DEV_FB_USED", "gauge", "Framebuffer memory used (in MiB).", "MiB")
+DCGM_FB_RESERVED = _dcgm("DCGM_FI_DEV_FB_RESERVED", "gauge", "Framebuffer memory reserved (in MiB).", "MiB")
+DCGM_SM_CLOCK = _dcgm("DCGM_FI_DEV_SM_CLOCK", "gauge", "SM clock frequency (in MHz).", "MHz")
+DCGM_MEM_CLOCK = _dcgm("DCGM_FI_DEV_MEM_CLOCK", "gauge", "Memory clock frequency (in MHz).", "MHz")
+DCGM_GPU_TEMP = _dcgm("DCGM_FI_DEV_GPU_TEMP", "gauge", "GPU temperature (in C).", "celsius")
+DCGM_MEMORY_TEMP = _dcgm("DCGM_FI_DEV_MEMORY_TEMP", "gauge", "Memory temperature (in C).", "celsius")
+DCGM_POWER_USAGE = _dcgm("DCGM_FI_DEV_POWER_USAGE", "gauge", "Power draw (in W).", "watts")
+DCGM_TOTAL_ENERGY = _dcgm(
+    "DCGM_FI_DEV_TOTAL_ENERGY_CONSUMPTION",
+    "counter",
+    "Total energy consumption since boot (in mJ).",
+    "millijoules",
+)
+DCGM_XID_ERRORS = _dcgm("DCGM_FI_DEV_XID_ERRORS", "gauge", "Value of the last XID error encountered.")
+DCGM_PCIE_REPLAY = _dcgm("DCGM_FI_DEV_PCIE_REPLAY_COUNTER", "counter", "Total number of PCIe retries.")
+DCGM_CORRECTABLE_REMAPPED_ROWS = _dcgm(
+    "DCGM_FI_DEV_CORRECTABLE_REMAPPED_ROWS",
+    "counter",
+    "Number of remapped rows for correctable errors",
+)
+DCGM_UNCORRECTABLE_REMAPPED_ROWS = _dcgm(
+    "DCGM_FI_DEV_UNCORRECTABLE_REMAPPED_ROWS",
+    "counter",
+    "Number of remapped rows for uncorrectable errors",
+)
+DCGM_ROW_REMAP_FAILURE = _dcgm(
+    "DCGM_FI_DEV_ROW_REMAP_FAILURE", "gauge", "Whether remapping of rows has failed"
+)
+
+DCGM_METRICS = (
+    DCGM_GPU_UTIL,
+    DCGM_MEM_COPY_UTIL,
+    DCGM_FB_FREE,
+    DCGM_FB_USED,
+    DCGM_FB_RESERVED,
+    DCGM_SM_CLOCK,
+    DCGM_MEM_CLOCK,
+    DCGM_GPU_TEMP,
+    DCGM_MEMORY_TEMP,
+    DCGM_POWER_USAGE,
+    DCGM_TOTAL_ENERGY,
+    DCGM_XID_ERRORS,
+    DCGM_PCIE_REPLAY,
+    DCGM_CORRECTABLE_REMAPPED_ROWS,
+    DCGM_UNCORRECTABLE_REMAPPED_ROWS,
+    DCGM_ROW_REMAP_FAILURE,
+)
+
+# ---------------------------------------------------------------------------------------
+# GPU: what dcgm-exporter lacks (inferwatch GPU names)
+# ---------------------------------------------------------------------------------------
+GPU_FB_TOTAL_BYTES = Metric(
+    "inferwatch_gpu_fb_total_bytes",
+    "gauge",
+    "Total framebuffer memory of the GPU.",
+    GPU_LABELS,
+    unit="bytes",
+    source="gpu_exporter",
+)
+GPU_XID_ERRORS_TOTAL = Metric(
+    "inferwatch_gpu_xid_errors_total",
+    "counter",
+    "XID errors seen since the exporter started, by XID code.",
+    (*GPU_LABELS, "xid"),
+    source="gpu_exporter",
+)
+GPU_PROCESS_MEMORY = Metric(
+    "inferwatch_gpu_process_memory_bytes",
+    "gauge",
+    "GPU memory used by the processes of one pod/container on one GPU.",
+    (*GPU_LABELS, L_POD, L_NAMESPACE, L_CONTAINER),
+    unit="bytes",
+    source="gpu_exporter",
+)
+GPU_BACKEND_INFO = Metric(
+    "inferwatch_gpu_backend_info",
+    "gauge",
+    "The backend the GPU exporter reads from (nvml or simulated); always 1.",
+    ("backend", L_HOSTNAME),
+    source="gpu_exporter",
+)
+GPU_BACKEND_UP = Metric(
+    "inferwatch_gpu_backend_up",
+    "gauge",
+    "1 when the exporter's backend (NVML) is initialized, else 0.",
+    ("backend",),
+    source="gpu_exporter",
+)
+GPU_SCRAPE_DURATION = Metric(
+    "inferwatch_gpu_scrape_duration_seconds",
+    "gauge",
+    "Time the last collection of GPU metrics took.",
+    (),
+    unit="seconds",
+    source="gpu_exporter",
+)
+GPU_BACKEND_ERRORS = Metric(
+    "inferwatch_gpu_backend_errors_total",
+    "counter",
+    "Errors from backend (NVML) calls, by call and GPU.",
+    ("call", L_GPU),
+    source="gpu_exporter",
+)
+
+GPU_EXPORTER_METRICS = (
+    GPU_FB_TOTAL_BYTES,
+    GPU_XID_ERRORS_TOTAL,
+    GPU_PROCESS_MEMORY,
+    GPU_BACKEND_INFO,
+    GPU_BACKEND_UP,
+    GPU_SCRAPE_DURATION,
+    GPU_BACKEND_ERRORS,
+)
+
+# ---------------------------------------------------------------------------------------
+# Triton (scraped from its :8002/metrics; defined by Triton, named here so dashboards and
+# rules can refer to them without spelling them).
+# ---------------------------------------------------------------------------------------
+
+
+def _triton(name: str, type_: MetricType, help_: str, unit: str = "") -> Metric:
+    return Metric(name, type_, help_, (L_MODEL, L_VERSION), unit=unit, source="triton")
+
+
+TRITON_REQUEST_SUCCESS = _triton(
+    "nv_inference_request_success", "counter", "Number of successful inference requests."
+)
+TRITON_REQUEST_FAILURE = _triton(
+    "nv_inference_request_failure", "counter", "Number of failed inference requests."
+)
+TRITON_INFERENCE_COUNT = _triton(
+    "nv_inference_count", "counter", "Number of inferences performed (a batch of n counts n)."
+)
+TRITON_EXEC_COUNT = _triton(
+    "nv_inference_exec_count", "counter", "Number of model executions (a batch counts once)."
+)
+TRITON_REQUEST_DURATION_US = _triton(
+    "nv_inference_request_duration_us", "counter", "Cumulative request duration.", "microseconds"
+)
+TRITON_QUEUE_DURATION_US = _triton(
+    "nv_inference_queue_duration_us", "counter", "Cumulative time requests spent queued.", "microseconds"
+)
+TRITON_COMPUTE_INPUT_US = _triton(
+    "nv_inference_compute_input_duration_us", "counter", "Cumulative compute input time.", "microseconds"
+)
+TRITON_COMPUTE_INFER_US = _triton(
+    "nv_inference_compute_infer_duration_us", "counter", "Cumulative compute inference time.", "microseconds"
+)
+TRITON_COMPUTE_OUTPUT_US = _triton(
+    "nv_inference_compute_output_duration_us",
+    "counter",
+    "Cumulative inference compute output time.",
+    "microseconds",
+)
+TRITON_PENDING_REQUESTS = _triton(
+    "nv_inference_pending_request_count",
+    "gauge",
+    "Instantaneous number of pending requests awaiting execution.",
+)
+
+TRITON_METRICS = (
+    TRITON_REQUEST_SUCCESS,
+    TRITON_REQUEST_FAILURE,
+    TRITON_INFERENCE_COUNT,
+    TRITON_EXEC_COUNT,
+    TRITON_REQUEST_DURATION_US,
+    TRITON_QUEUE_DURATION_US,
+    TRITON_COMPUTE_INPUT_US,
+    TRITON_COMPUTE_INFER_US,
+    TRITON_COMPUTE_OUTPUT_US,
+    TRITON_PENDING_REQUESTS,
+)
+
+# Series Prometheus itself produces.
+PROM_UP = Metric(
+    "up", "gauge", "1 if the last scrape of the target succeeded.", ("job", "instance"), source="prometheus"
+)
+PROM_ALERTS = Metric(
+    "ALERTS", "gauge", "Alerts pending or firing.", ("alertname", "alertstate"), source="prometheus"
+)
+PROMETHEUS_METRICS = (PROM_UP, PROM_ALERTS)
+
+ALL_METRICS: dict[str, Metric] = {
+    m.name: m
+    for m in (*SIDECAR_METRICS, *DCGM_METRICS, *GPU_EXPORTER_METRICS, *TRITON_METRICS, *PROMETHEUS_METRICS)
+}
+
+
+def metric(name: str) -> Metric:
+    """The contract's entry for ``name``; a KeyError names the unknown metric."""
+    try:
+        return ALL_METRICS[name]
+    except KeyError:
+        raise KeyError(f"{name!r} is not in the inferwatch metric contract") from None
+
+
+# ---------------------------------------------------------------------------------------
+# Alerts
+# ---------------------------------------------------------------------------------------
+SEVERITY_CRITICAL = "critical"
+SEVERITY_WARNING = "warning"
+SEVERITY_INFO = "info"
+SEVERITIES = (SEVERITY_CRITICAL, SEVERITY_WARNING, SEVERITY_INFO)
+
+ALERT_HIGH_ERROR_RATE = "InferenceHighErrorRate"
+ALERT_HIGH_P99_LATENCY = "InferenceHighP99Latency"
+ALERT_GPU_MEMORY_PRESSURE = "GPUMemoryPressure"
+TIERED_ALERTS = {
+    ALERT_HIGH_ERROR_RATE: SEVERITY_CRITICAL,
+    ALERT_HIGH_P99_LATENCY: SEVERITY_WARNING,
+    ALERT_GPU_MEMORY_PRESSURE: SEVERITY_INFO,
+}
+ALERT_ANNOTATIONS = ("summary", "description", "runbook_url", "dashboard_url")
+MODEL_ALERT_LABELS = (L_MODEL, L_VERSION)
+GPU_ALERT_LABELS = (L_GPU, L_UUID, L_HOSTNAME)
+
+# ---------------------------------------------------------------------------------------
+# Ports (DESIGN.md)
+# ---------------------------------------------------------------------------------------
+PORTS = {
+    "triton_http": 8000,
+    "triton_grpc": 8001,
+    "triton_metrics": 8002,
+    "sidecar_http": 8010,
+    "sidecar_grpc": 8011,
+    "sidecar_metrics": 9110,
+    "gpu_exporter": 9400,
+    "prometheus": 9090,
+    "alertmanager": 9093,
+    "pager": 9095,
+    "grafana": 3000,
+}
+
+# Prometheus job names, shared by the scrape config, the rules (target-down alerts) and
+# the dashboards.
+JOB_SIDECAR = "inferwatch-sidecar"
+JOB_TRITON = "triton"
+JOB_GPU_EXPORTER = "gpu-exporter"
+JOBS = (JOB_SIDECAR, JOB_TRITON, JOB_GPU_EXPORTER)
+
+# Series names that are not metric families of a component but may appear in generated
+# files (recording rules add theirs here).
+EXTRA_SERIES: frozenset[str] = frozenset()

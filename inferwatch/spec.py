@@ -1,0 +1,254 @@
+"""The fleet spec: one YAML file that every generated artifact is derived from.
+
+Thresholds, windows, per-model SLAs and routing live here once, so a dashboard's
+threshold line and the alert that pages on it can never disagree. Unknown keys are
+errors: a typo must not silently fall back to a default.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import Annotated, Literal
+
+import yaml
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+_DURATION_RE = re.compile(r"^(?:(\d+)d)?(?:(\d+)h)?(?:(\d+)m)?(?:(\d+)s)?(?:(\d+)ms)?$")
+_UNIT_SECONDS = (86400, 3600, 60, 1, 0.001)
+
+
+def duration_seconds(text: str) -> float:
+    """Seconds in a Prometheus duration such as ``1m``, ``90s``, ``1h30m``."""
+    match = _DURATION_RE.match(text)
+    if not text or not match or not any(match.groups()):
+        raise ValueError(f"{text!r} is not a duration (use Prometheus syntax such as 30s, 1m, 1h30m)")
+    return sum(int(g) * u for g, u in zip(match.groups(), _UNIT_SECONDS, strict=True) if g)
+
+
+def _check_duration(value: str) -> str:
+    if duration_seconds(value) <= 0:
+        raise ValueError("must be a positive duration")
+    return value
+
+
+Duration = Annotated[str, AfterValidator(_check_duration)]
+Name = Annotated[str, Field(pattern=r"^[A-Za-z0-9_.-]+$", min_length=1, max_length=128)]
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True, populate_by_name=True)
+
+
+class ErrorRateAlert(_Strict):
+    """critical: the server-error ratio of a model above ``threshold`` in each of
+    ``consecutive_windows`` windows of length ``window``."""
+
+    threshold: float = Field(0.05, gt=0, lt=1)
+    window: Duration = "1m"
+    consecutive_windows: int = Field(3, ge=1, le=60)
+    min_request_rate: float = Field(
+        0.0, ge=0, description="requests/s below which a model's error ratio is not judged"
+    )
+
+
+class LatencyAlert(_Strict):
+    """warning: P(quantile) latency of a model above ``sla_factor`` x its SLA, held ``for``."""
+
+    sla_factor: float = Field(2.0, gt=0)
+    quantile: float = Field(0.99, gt=0, lt=1)
+    window: Duration = "5m"
+    for_: Duration = Field("5m", alias="for")
+
+
+class GpuMemoryAlert(_Strict):
+    """info: framebuffer used / total of a GPU above ``threshold``, held ``for``."""
+
+    threshold: float = Field(0.90, gt=0, lt=1)
+    for_: Duration = Field("5m", alias="for")
+
+
+class Alerts(_Strict):
+    error_rate: ErrorRateAlert = ErrorRateAlert()
+    latency: LatencyAlert = LatencyAlert()
+    gpu_memory: GpuMemoryAlert = GpuMemoryAlert()
+
+
+class Slo(_Strict):
+    """An availability objective: the fraction of requests that must not be server errors."""
+
+    objective: float = Field(gt=0, lt=1)
+    period: Duration = "30d"
+
+
+class Model(_Strict):
+    name: Name
+    latency_sla_ms: float = Field(gt=0)
+    slo: Slo | None = None
+    team: str | None = None
+
+
+class Defaults(_Strict):
+    latency_sla_ms: float = Field(500.0, gt=0)
+
+
+class Prometheus(_Strict):
+    scrape_interval: Duration = "15s"
+    evaluation_interval: Duration = "15s"
+
+
+class Webhook(_Strict):
+    url: str = Field(pattern=r"^https?://")
+    bearer_token_file: str | None = None
+    bearer_token: str | None = None
+    send_resolved: bool = True
+
+
+class PagerDuty(_Strict):
+    routing_key_file: str
+    send_resolved: bool = True
+
+
+class Slack(_Strict):
+    api_url_file: str
+    channel: str
+    send_resolved: bool = True
+
+
+class Receiver(_Strict):
+    name: Name
+    webhooks: list[Webhook] = []
+    pagerduty: list[PagerDuty] = []
+    slack: list[Slack] = []
+
+
+class Route(_Strict):
+    receiver: Name
+    group_wait: Duration
+    group_interval: Duration = "5m"
+    repeat_interval: Duration
+
+
+class Routing(_Strict):
+    """Where each severity goes. ``critical`` pages; ``warning`` opens a ticket;
+    ``info`` goes to a low-urgency channel."""
+
+    group_by: list[str] = ["alertname", "model", "version"]
+    critical: Route = Route(receiver="pager", group_wait="10s", group_interval="1m", repeat_interval="1h")
+    warning: Route = Route(receiver="ticket", group_wait="30s", repeat_interval="4h")
+    info: Route = Route(receiver="low-urgency", group_wait="1m", repeat_interval="12h")
+    receivers: list[Receiver] = [
+        Receiver(name="pager", webhooks=[Webhook(url="http://127.0.0.1:9095/webhook")]),
+        Receiver(name="ticket", webhooks=[Webhook(url="http://127.0.0.1:9095/webhook")]),
+        Receiver(name="low-urgency", webhooks=[Webhook(url="http://127.0.0.1:9095/webhook")]),
+    ]
+
+    @model_validator(mode="after")
+    def _routes_name_receivers(self) -> Routing:
+        names = [r.name for r in self.receivers]
+        dupes = sorted({n for n in names if names.count(n) > 1})
+        if dupes:
+            raise ValueError(f"duplicate receiver name {dupes[0]!r}")
+        for severity in ("critical", "warning", "info"):
+            receiver = getattr(self, severity).receiver
+            if receiver not in names:
+                raise ValueError(f"{severity}.receiver {receiver!r} is not one of the receivers {names}")
+        return self
+
+
+class Links(_Strict):
+    runbook_base_url: str = "https://github.com/inferwatch/inferwatch/blob/main/alert_rules/runbooks"
+    grafana_url: str = "http://localhost:3000"
+
+
+class Sidecar(_Strict):
+    max_models: int = Field(100, ge=1, le=10000, description="cap on distinct model label values")
+
+
+class FleetSpec(_Strict):
+    version: Literal[1] = 1
+    defaults: Defaults = Defaults()
+    alerts: Alerts = Alerts()
+    models: list[Model] = []
+    prometheus: Prometheus = Prometheus()
+    routing: Routing = Routing()
+    links: Links = Links()
+    sidecar: Sidecar = Sidecar()
+
+    @model_validator(mode="after")
+    def _unique_models(self) -> FleetSpec:
+        seen: set[str] = set()
+        for i, model in enumerate(self.models):
+            if model.name in seen:
+                raise ValueError(f"models[{i}].name: duplicate model name {model.name!r}")
+            seen.add(model.name)
+        return self
+
+    def model(self, name: str) -> Model | None:
+        return next((m for m in self.models if m.name == name), None)
+
+    def latency_sla_seconds(self, name: str) -> float:
+        """The model's SLA, the spec's default where the model is not listed."""
+        model = self.model(name)
+        return (model.latency_sla_ms if model else self.defaults.latency_sla_ms) / 1000.0
+
+
+class SpecError(Exception):
+    """A spec that cannot be used; ``str()`` is one line: ``file: field.path: reason``."""
+
+
+def _loc(loc: tuple[str | int, ...]) -> str:
+    out = ""
+    for part in loc:
+        if isinstance(part, int):
+            out += f"[{part}]"
+        else:
+            out += ("." if out else "") + str(part)
+    return out
+
+
+def _reason(err: dict) -> str:
+    msg = str(err["msg"])
+    if err["type"] == "extra_forbidden":
+        return "unknown key (check its spelling; see fleet.yaml for the known keys)"
+    msg = msg.removeprefix("Value error, ")
+    return msg.replace("Input should be", "must be").replace("Field required", "required field is missing")
+
+
+def parse_spec(data: object, source: str = "fleet.yaml") -> FleetSpec:
+    """Validate already-loaded YAML data; raises SpecError with one line per the contract."""
+    if data is None:
+        data = {}
+    if not isinstance(data, dict):
+        raise SpecError(f"{source}: the top level must be a mapping, not {type(data).__name__}")
+    try:
+        return FleetSpec.model_validate(data)
+    except ValidationError as exc:
+        err = exc.errors()[0]
+        where = _loc(err["loc"])
+        reason = _reason(err)
+        # Model-level validators report their own field path inside the message.
+        if not where and ": " in reason and reason.split(": ", 1)[0].startswith(("models[", "routing")):
+            where, reason = reason.split(": ", 1)
+        more = f" (and {len(exc.errors()) - 1} more)" if len(exc.errors()) > 1 else ""
+        return_line = f"{source}: {where}: {reason}{more}" if where else f"{source}: {reason}{more}"
+        raise SpecError(return_line) from None
+
+
+def load_spec(path: str | Path) -> FleetSpec:
+    """Read and validate a fleet spec file."""
+    path = Path(path)
+    try:
+        text = path.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise SpecError(f"{path}: no such file (pass the fleet spec with --spec, e.g. fleet.yaml)") from None
+    except OSError as exc:
+        raise SpecError(f"{path}: cannot read: {exc.strerror}") from None
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        where = f"line {mark.line + 1}, column {mark.column + 1}: " if mark else ""
+        problem = getattr(exc, "problem", None) or "invalid YAML"
+        raise SpecError(f"{path}: {where}invalid YAML: {problem}") from None
+    return parse_spec(data, str(path))

@@ -1,0 +1,1 @@
+"""Request-level metrics sidecar: a transparent HTTP and gRPC proxy for model servers."""

@@ -1,0 +1,5 @@
+"""Fixtures live in tests/fixtures/, one module per component, so each can be read alone."""
+
+pytest_plugins = [
+    "tests.fixtures.net",
+]
