@@ -356,6 +356,21 @@ ALERT_ANNOTATIONS = ("summary", "description", "runbook_url", "dashboard_url")
 MODEL_ALERT_LABELS = (L_MODEL, L_VERSION)
 GPU_ALERT_LABELS = (L_GPU, L_UUID, L_HOSTNAME)
 
+# Alerts beyond the three tiers (alert_rules/): SLO burn rates and the stack's own health.
+ALERT_SLO_FAST_BURN = "InferenceErrorBudgetFastBurn"  # 14.4x over 1h&5m, 6x over 6h&30m: pages
+ALERT_SLO_SLOW_BURN = "InferenceErrorBudgetSlowBurn"  # 3x over 1d&2h, 1x over 3d&6h: a ticket
+ALERT_TARGET_DOWN = "InferwatchTargetDown"  # a scrape target of JOBS is down
+ALERT_UPSTREAM_DOWN = "InferenceUpstreamDown"  # the sidecar cannot reach its model server
+ALERT_GPU_XID_ERRORS = "GPUXidErrors"  # the GPU driver reported XID errors
+OTHER_ALERTS = {
+    ALERT_SLO_FAST_BURN: SEVERITY_CRITICAL,
+    ALERT_SLO_SLOW_BURN: SEVERITY_WARNING,
+    ALERT_TARGET_DOWN: SEVERITY_WARNING,
+    ALERT_UPSTREAM_DOWN: SEVERITY_CRITICAL,
+    ALERT_GPU_XID_ERRORS: SEVERITY_WARNING,
+}
+ALL_ALERTS = {**TIERED_ALERTS, **OTHER_ALERTS}
+
 # ---------------------------------------------------------------------------------------
 # Ports (DESIGN.md)
 # ---------------------------------------------------------------------------------------
@@ -380,6 +395,40 @@ JOB_TRITON = "triton"
 JOB_GPU_EXPORTER = "gpu-exporter"
 JOBS = (JOB_SIDECAR, JOB_TRITON, JOB_GPU_EXPORTER)
 
+# ---------------------------------------------------------------------------------------
+# Recording rules (alert_rules/generated/); dashboards query these names. Windows come
+# from the fleet spec, so the names carry none; see alert_rules/README.md.
+# ---------------------------------------------------------------------------------------
+L_QUANTILE = "quantile"  # on REC_LATENCY_QUANTILE: "0.99" (alerts.latency.quantile) and "0.5"
+L_WINDOW = "window"  # on REC_SLO_ERROR_RATIO: the window the ratio covers ("5m", "1h", ...)
+L_SLO_PERIOD = "slo_period"  # on SLO series: the objective's period ("30d")
+# Requests/s per model and version over alerts.error_rate.window.
+REC_REQUEST_RATE = "model_version:inferwatch_requests:rate"
+# Server-error ratio per model and version over alerts.error_rate.window; absent (not NaN)
+# for a model that had no traffic in the window.
+REC_SERVER_ERROR_RATIO = "model_version:inferwatch_server_errors:ratio"
+# Latency quantiles per model and version over alerts.latency.window (label quantile);
+# absent for a model without traffic.
+REC_LATENCY_QUANTILE = "model_version:inferwatch_request_duration_seconds:quantile"
+# Each model's latency SLA in seconds: the sidecar's SLA gauge, else the spec's default.
+REC_LATENCY_SLA = "model:inferwatch_latency_sla_seconds:effective"
+# Framebuffer used / (used + free + reserved) per GPU, with the GPU's dcgm labels.
+REC_GPU_FB_USED_RATIO = "gpu:inferwatch_fb_used:ratio"
+# SLO series, only for models with an slo in the spec.
+REC_SLO_ERROR_RATIO = "model:inferwatch_slo_errors:ratio_rate"  # label window
+REC_SLO_OBJECTIVE = "model:inferwatch_slo:objective"
+REC_SLO_BUDGET_REMAINING = "model:inferwatch_slo_error_budget:remaining"  # 1 = untouched, <0 = spent
+RECORDING_RULES = (
+    REC_REQUEST_RATE,
+    REC_SERVER_ERROR_RATIO,
+    REC_LATENCY_QUANTILE,
+    REC_LATENCY_SLA,
+    REC_GPU_FB_USED_RATIO,
+    REC_SLO_ERROR_RATIO,
+    REC_SLO_OBJECTIVE,
+    REC_SLO_BUDGET_REMAINING,
+)
+
 # Series names that are not metric families of a component but may appear in generated
 # files (recording rules add theirs here).
-EXTRA_SERIES: frozenset[str] = frozenset()
+EXTRA_SERIES: frozenset[str] = frozenset(RECORDING_RULES)
