@@ -1,0 +1,377 @@
+"""Per-request observation for both proxies: the contract's metrics and the server span.
+
+The HTTP proxy (``sidecar.http_proxy``) and the gRPC proxy (``sidecar.grpc_proxy``) share
+one ``Telemetry``; everything a request costs is two calls::
+
+    tel = Telemetry(registry, config, tracer=None)      # builds every metric family once
+    req = tel.begin(model, version, PROTOCOL_HTTP, traceparent, "POST /v2/models/{model}/infer")
+    upstream_headers["traceparent"] = req.traceparent or client_traceparent   # forward it
+    ...proxy...
+    tel.end(req, "200", tel.outcome_for_http(200), req_bytes, resp_bytes)
+
+- ``begin(model, version, protocol, traceparent=None, span_name="", attributes=None)``
+  resolves the bounded labels, increments in-flight and starts the span when a tracer is
+  given. ``model``/``version`` are the raw names from the request ("" when none).
+  Returns a ``Request``; ``req.traceparent`` is the W3C header to send upstream (``None``
+  when tracing is off: forward the client's own header unchanged then).
+- ``end(req, code, outcome, req_bytes=0, resp_bytes=0)`` exactly once per ``begin``
+  (later calls are ignored): one histogram observation on a pre-resolved labelled child
+  (exemplar ``{"trace_id": ...}`` when the span is sampled), the counters, in-flight
+  decrement, the span's status code attribute and end. ``code`` is the HTTP status ("200")
+  or the gRPC code name ("UNAVAILABLE").
+- ``outcome_for_http(status: int)`` / ``outcome_for_grpc(code_name: str)``: DESIGN.md's
+  split: 5xx (and 429), the gRPC codes in ``GRPC_SERVER_ERRORS``, and failures the
+  sidecar saw itself (HTTP 502/503/504; gRPC UNAVAILABLE/DEADLINE_EXCEEDED) are
+  ``server_error``; other 4xx / gRPC codes are ``client_error``.
+- ``set_upstream_up(upstream, up)`` with ``UPSTREAM_HTTP`` or ``UPSTREAM_GRPC``.
+- ``model_label(name)``: the name itself when the upstream serves it (its repository
+  index, given through ``update_models``) or the spec lists it, up to
+  ``spec.sidecar.max_models`` names; anything else is ``contract.MODEL_OVERFLOW``. When the
+  upstream cannot list its models (``update_models(None, supported=False)``) names are
+  admitted first come up to the cap. A miss calls ``on_unknown_model`` (the refresher's
+  wake-up, rate-limited by the refresher) so a newly loaded model is picked up quickly.
+
+Histogram buckets are a fixed ladder plus every configured SLA, 2x it and the latency
+alert's factor x it (and the same for the spec's default), so "slower than the SLA" is
+an exact bucket boundary. The SLA gauge is set at construction for each configured
+model and when a served model is first admitted.
+
+Nothing here sees a payload: labels come from model/version names only.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterable, Mapping
+from typing import TYPE_CHECKING, Any
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+from inferwatch import contract
+
+if TYPE_CHECKING:
+    from opentelemetry.trace import Span, Tracer
+
+    from sidecar.config import SidecarConfig
+
+UPSTREAM_HTTP = "http"
+UPSTREAM_GRPC = "grpc"
+
+BASE_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+
+# gRPC codes meaning the server (or the path to it) failed.
+GRPC_SERVER_ERRORS = frozenset(
+    {
+        "UNAVAILABLE",
+        "INTERNAL",
+        "UNKNOWN",
+        "DEADLINE_EXCEEDED",
+        "RESOURCE_EXHAUSTED",
+        "DATA_LOSS",
+        "UNIMPLEMENTED",
+    }
+)
+GRPC_CODES = {
+    "OK": 0,
+    "CANCELLED": 1,
+    "UNKNOWN": 2,
+    "INVALID_ARGUMENT": 3,
+    "DEADLINE_EXCEEDED": 4,
+    "NOT_FOUND": 5,
+    "ALREADY_EXISTS": 6,
+    "PERMISSION_DENIED": 7,
+    "RESOURCE_EXHAUSTED": 8,
+    "FAILED_PRECONDITION": 9,
+    "ABORTED": 10,
+    "OUT_OF_RANGE": 11,
+    "UNIMPLEMENTED": 12,
+    "INTERNAL": 13,
+    "UNAVAILABLE": 14,
+    "DATA_LOSS": 15,
+    "UNAUTHENTICATED": 16,
+}
+# Versions admitted per model when the upstream does not list versions.
+MAX_UNLISTED_VERSIONS = 8
+
+_OK, _CLIENT, _SERVER = contract.OUTCOME_SUCCESS, contract.OUTCOME_CLIENT_ERROR, contract.OUTCOME_SERVER_ERROR
+# Built once: status -> outcome for every HTTP status.
+_HTTP_OUTCOMES = tuple(_SERVER if s >= 500 or s == 429 else _CLIENT if s >= 400 else _OK for s in range(1000))
+
+
+def outcome_for_http(status: int) -> str:
+    return _HTTP_OUTCOMES[status] if 0 <= status < 1000 else _SERVER
+
+
+def outcome_for_grpc(code_name: str) -> str:
+    if code_name == "OK":
+        return _OK
+    return _SERVER if code_name in GRPC_SERVER_ERRORS else _CLIENT
+
+
+def histogram_buckets(config: SidecarConfig) -> tuple[float, ...]:
+    """The fixed ladder plus each configured SLA (and the default), 2x and factor x it."""
+    factor = config.spec.alerts.latency.sla_factor
+    slas = [*config.configured_slas().values(), config.spec.defaults.latency_sla_ms / 1000.0]
+    bounds = set(BASE_BUCKETS)
+    for sla in slas:
+        bounds.update((round(sla, 6), round(2 * sla, 6), round(factor * sla, 6)))
+    return tuple(sorted(bounds))
+
+
+class _Series:
+    """The pre-resolved children of one (model, version) label pair."""
+
+    __slots__ = (
+        "bytes_in",
+        "bytes_out",
+        "counters",
+        "durations",
+        "in_flight",
+        "model",
+        "protocol",
+        "version",
+    )
+
+    def __init__(self, tel: Telemetry, model: str, version: str, protocol: str) -> None:
+        self.model = model
+        self.version = version
+        self.protocol = protocol
+        self.in_flight = tel.in_flight.labels(model)
+        self.durations = {o: tel.duration.labels(model, version, protocol, o) for o in contract.OUTCOMES}
+        self.bytes_in = tel.req_bytes.labels(model, protocol)
+        self.bytes_out = tel.resp_bytes.labels(model, protocol)
+        # (code, outcome) -> counter child, filled as codes appear (bounded: codes are few).
+        self.counters: dict[tuple[str, str], Any] = {}
+
+
+class Request:
+    """One request's state between ``begin`` and ``end``."""
+
+    __slots__ = ("done", "series", "span", "start", "traceparent")
+
+    def __init__(self, series: _Series, start: float, span: Span | None, traceparent: str | None) -> None:
+        self.series = series
+        self.start = start
+        self.span = span
+        self.traceparent = traceparent
+        self.done = False
+
+
+class Telemetry:
+    def __init__(
+        self,
+        registry: CollectorRegistry,
+        config: SidecarConfig,
+        tracer: Tracer | None = None,
+    ) -> None:
+        self.config = config
+        self.tracer = tracer
+        self.max_models = config.spec.sidecar.max_models
+        self.buckets = histogram_buckets(config)
+        c = contract
+        self.requests = Counter(
+            c.REQUESTS_TOTAL.name, c.REQUESTS_TOTAL.help, c.REQUESTS_TOTAL.labels, registry=registry
+        )
+        self.duration = Histogram(
+            c.REQUEST_DURATION.name,
+            c.REQUEST_DURATION.help,
+            c.REQUEST_DURATION.labels,
+            registry=registry,
+            buckets=self.buckets,
+            unit=c.REQUEST_DURATION.unit,
+        )
+        self.in_flight = Gauge(
+            c.REQUESTS_IN_FLIGHT.name,
+            c.REQUESTS_IN_FLIGHT.help,
+            c.REQUESTS_IN_FLIGHT.labels,
+            registry=registry,
+        )
+        self.req_bytes = Counter(
+            c.REQUEST_BYTES.name, c.REQUEST_BYTES.help, c.REQUEST_BYTES.labels, registry=registry
+        )
+        self.resp_bytes = Counter(
+            c.RESPONSE_BYTES.name, c.RESPONSE_BYTES.help, c.RESPONSE_BYTES.labels, registry=registry
+        )
+        self.sla = Gauge(
+            c.MODEL_LATENCY_SLA.name,
+            c.MODEL_LATENCY_SLA.help,
+            c.MODEL_LATENCY_SLA.labels,
+            registry=registry,
+            unit=c.MODEL_LATENCY_SLA.unit,
+        )
+        self.upstream_up = Gauge(
+            c.UPSTREAM_UP.name, c.UPSTREAM_UP.help, c.UPSTREAM_UP.labels, registry=registry
+        )
+
+        self._configured = config.configured_slas()
+        # name -> admitted label (the name); bounded by max_models.
+        self._admitted: dict[str, set[str]] = {}
+        # Served models from the upstream's index: name -> versions (empty: not listed).
+        self._served: dict[str, set[str]] = {}
+        self._open = False  # upstream cannot list models: admit first come up to the cap
+        self._series: dict[tuple[str, str, str], _Series] = {}
+        self.on_unknown_model: Callable[[], None] | None = None
+        self.in_flight_total = 0
+        for name, sla in self._configured.items():
+            self.sla.labels(name).set(sla)
+            if len(self._admitted) < self.max_models:
+                self._admitted[name] = set()
+
+    # ------------------------------------------------------------------ labels
+    def update_models(self, served: Mapping[str, Iterable[str]] | None, supported: bool = True) -> None:
+        """Record what the upstream serves (name -> versions), from its repository index.
+
+        ``served=None, supported=False``: the upstream has no index (not a KServe server):
+        names are admitted first come up to the cap. Admitted names are never evicted, so
+        existing series stay continuous.
+        """
+        if served is None:
+            self._open = not supported
+            return
+        self._open = False
+        self._served = {name: {str(v) for v in versions if v} for name, versions in served.items()}
+        for name in self._served:
+            self._admit(name)
+
+    def _admit(self, name: str) -> bool:
+        if name in self._admitted:
+            return True
+        if len(self._admitted) >= self.max_models:
+            return False
+        self._admitted[name] = set()
+        if name not in self._configured:
+            self.sla.labels(name).set(self.config.latency_sla_seconds(name))
+        return True
+
+    def model_label(self, name: str) -> str:
+        if not name:
+            return contract.MODEL_NONE
+        if name in self._admitted:
+            return name
+        if (self._open or name in self._served) and self._admit(name):
+            return name
+        if self.on_unknown_model is not None:
+            self.on_unknown_model()
+        return contract.MODEL_OVERFLOW
+
+    def version_label(self, model_label: str, version: str) -> str:
+        if not version:
+            return ""
+        if model_label == contract.MODEL_OVERFLOW or model_label == contract.MODEL_NONE:
+            return contract.MODEL_OVERFLOW
+        listed = self._served.get(model_label)
+        if listed:
+            return version if version in listed else contract.MODEL_OVERFLOW
+        seen = self._admitted[model_label]
+        if version in seen:
+            return version
+        if len(seen) < MAX_UNLISTED_VERSIONS:
+            seen.add(version)
+            return version
+        return contract.MODEL_OVERFLOW
+
+    def _resolve(self, model: str, version: str, protocol: str) -> _Series:
+        key = (model, version, protocol)
+        series = self._series.get(key)
+        if series is not None:
+            return series
+        m = self.model_label(model)
+        v = self.version_label(m, version)
+        lkey = (m, v, protocol)
+        series = self._series.get(lkey)
+        if series is None:
+            series = _Series(self, m, v, protocol)
+            self._series[lkey] = series
+        if m == model and v == version:
+            self._series[key] = series  # cache only admitted names: the cache stays bounded
+        return series
+
+    # ------------------------------------------------------------------ requests
+    def begin(
+        self,
+        model: str,
+        version: str,
+        protocol: str,
+        traceparent: str | None = None,
+        span_name: str = "",
+        attributes: dict[str, Any] | None = None,
+    ) -> Request:
+        series = self._series.get((model, version, protocol)) or self._resolve(model, version, protocol)
+        series.in_flight.inc()
+        self.in_flight_total += 1
+        span = None
+        out_tp = None
+        if self.tracer is not None:
+            span, out_tp = self._start_span(series, protocol, traceparent, span_name, attributes)
+        return Request(series, time.perf_counter(), span, out_tp)
+
+    def end(self, req: Request, code: str, outcome: str, req_bytes: int = 0, resp_bytes: int = 0) -> None:
+        if req.done:
+            return
+        req.done = True
+        elapsed = time.perf_counter() - req.start
+        s = req.series
+        self.in_flight_total -= 1
+        s.in_flight.dec()
+        counter = s.counters.get((code, outcome))
+        if counter is None:
+            counter = self.requests.labels(s.model, s.version, s.protocol, code, outcome)
+            s.counters[(code, outcome)] = counter
+        counter.inc()
+        if req_bytes:
+            s.bytes_in.inc(req_bytes)
+        if resp_bytes:
+            s.bytes_out.inc(resp_bytes)
+        span = req.span
+        if span is None:
+            s.durations[outcome].observe(elapsed)
+            return
+        ctx = span.get_span_context()
+        if ctx.trace_flags.sampled:
+            s.durations[outcome].observe(elapsed, {"trace_id": format(ctx.trace_id, "032x")})
+        else:
+            s.durations[outcome].observe(elapsed)
+        self._end_span(span, s, code, outcome)
+
+    def set_upstream_up(self, upstream: str, up: bool) -> None:
+        self.upstream_up.labels(upstream).set(1 if up else 0)
+
+    outcome_for_http = staticmethod(outcome_for_http)
+    outcome_for_grpc = staticmethod(outcome_for_grpc)
+
+    # ------------------------------------------------------------------ tracing
+    def _start_span(
+        self,
+        series: _Series,
+        protocol: str,
+        traceparent: str | None,
+        span_name: str,
+        attributes: dict[str, Any] | None,
+    ) -> tuple[Span, str]:
+        from opentelemetry import trace
+        from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
+
+        ctx = TraceContextTextMapPropagator().extract({"traceparent": traceparent}) if traceparent else None
+        attrs = {"inferwatch.model": series.model, "inferwatch.model_version": series.version}
+        if protocol == contract.PROTOCOL_GRPC:
+            attrs["rpc.system"] = "grpc"
+        if attributes:
+            attrs.update(attributes)
+        assert self.tracer is not None
+        span = self.tracer.start_span(
+            span_name or protocol, context=ctx, kind=trace.SpanKind.SERVER, attributes=attrs
+        )
+        sc = span.get_span_context()
+        out = f"00-{sc.trace_id:032x}-{sc.span_id:016x}-{int(sc.trace_flags):02x}"
+        return span, out
+
+    def _end_span(self, span: Span, series: _Series, code: str, outcome: str) -> None:
+        from opentelemetry.trace import Status, StatusCode
+
+        if code.isdigit():
+            span.set_attribute("http.response.status_code", int(code))
+        elif code in GRPC_CODES:
+            span.set_attribute("rpc.grpc.status_code", GRPC_CODES[code])
+        if outcome == _SERVER:
+            span.set_status(Status(StatusCode.ERROR))
+        span.end()

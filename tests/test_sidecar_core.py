@@ -1,0 +1,167 @@
+"""The sidecar's telemetry and configuration, in-process: labels stay bounded, outcomes
+follow DESIGN.md, buckets hold each SLA, exemplars carry the trace id, spans follow the
+semantic conventions, and bad configuration is one line."""
+
+from __future__ import annotations
+
+import argparse
+
+import pytest
+from opentelemetry.sdk.trace import TracerProvider
+from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+from prometheus_client import CollectorRegistry
+from prometheus_client.openmetrics.exposition import generate_latest as openmetrics
+
+from inferwatch import contract
+from sidecar import config as cfg
+from sidecar.telemetry import Telemetry, outcome_for_grpc, outcome_for_http
+
+FLEET = "fleet.yaml"
+
+
+def make_config(*argv: str, env: dict[str, str] | None = None) -> cfg.SidecarConfig:
+    parser = argparse.ArgumentParser()
+    cfg.add_arguments(parser)
+    return cfg.from_args(parser.parse_args(list(argv)), env or {})
+
+
+def sample(registry: CollectorRegistry, name: str, labels: dict[str, str]) -> float | None:
+    return registry.get_sample_value(name, labels)
+
+
+def test_outcomes_follow_the_design() -> None:
+    assert outcome_for_http(200) == contract.OUTCOME_SUCCESS
+    assert outcome_for_http(304) == contract.OUTCOME_SUCCESS
+    assert outcome_for_http(400) == contract.OUTCOME_CLIENT_ERROR
+    assert outcome_for_http(404) == contract.OUTCOME_CLIENT_ERROR
+    assert outcome_for_http(429) == contract.OUTCOME_SERVER_ERROR
+    assert outcome_for_http(500) == contract.OUTCOME_SERVER_ERROR
+    assert outcome_for_http(503) == contract.OUTCOME_SERVER_ERROR
+    assert outcome_for_grpc("OK") == contract.OUTCOME_SUCCESS
+    for code in ("UNAVAILABLE", "INTERNAL", "UNKNOWN", "DEADLINE_EXCEEDED", "RESOURCE_EXHAUSTED"):
+        assert outcome_for_grpc(code) == contract.OUTCOME_SERVER_ERROR
+    for code in ("INVALID_ARGUMENT", "NOT_FOUND", "CANCELLED", "UNAUTHENTICATED"):
+        assert outcome_for_grpc(code) == contract.OUTCOME_CLIENT_ERROR
+
+
+def test_buckets_hold_each_sla_and_twice_it() -> None:
+    tel = Telemetry(CollectorRegistry(), make_config("--spec", FLEET, "--sla", "custom=37"))
+    for sla in (0.25, 1.0, 0.1, 0.037, 0.5):  # fleet.yaml's models, the override, the default
+        assert sla in tel.buckets and 2 * sla in tel.buckets, sla
+
+
+def test_sla_gauge_and_known_models() -> None:
+    reg = CollectorRegistry()
+    tel = Telemetry(reg, make_config("--spec", FLEET, "--sla", "ranker=80"))
+    name = contract.MODEL_LATENCY_SLA.name
+    assert sample(reg, name, {"model": "dense_batched"}) == 0.25
+    assert sample(reg, name, {"model": "ranker"}) == 0.08
+    tel.update_models({"served_only": ["1"]})
+    assert tel.model_label("served_only") == "served_only"
+    assert sample(reg, name, {"model": "served_only"}) == 0.5  # the spec's default
+
+
+def test_model_label_is_bounded_by_served_models_and_the_cap() -> None:
+    reg = CollectorRegistry()
+    tel = Telemetry(reg, make_config())
+    misses = []
+    tel.on_unknown_model = lambda: misses.append(1)
+    tel.update_models({"a": ["1", "2"], "b": []})
+    assert tel.model_label("a") == "a"
+    assert tel.model_label("nope") == contract.MODEL_OVERFLOW
+    assert misses
+    for i in range(10_000):
+        req = tel.begin(f"random-{i}", str(i), contract.PROTOCOL_HTTP)
+        tel.end(req, "404", contract.OUTCOME_CLIENT_ERROR)
+    models = {s.labels["model"] for m in reg.collect() for s in m.samples if "model" in s.labels}
+    assert models <= {"a", "b", contract.MODEL_OVERFLOW}
+    total = sample(
+        reg,
+        contract.REQUESTS_TOTAL.name,
+        {
+            "model": contract.MODEL_OVERFLOW,
+            "version": contract.MODEL_OVERFLOW,
+            "protocol": "http",
+            "code": "404",
+            "outcome": "client_error",
+        },
+    )
+    assert total == 10_000
+    # Versions of a listed model are bounded by the listing.
+    assert tel.version_label("a", "2") == "2"
+    assert tel.version_label("a", "99") == contract.MODEL_OVERFLOW
+
+
+def test_unlisting_upstream_admits_first_come_up_to_the_cap() -> None:
+    reg = CollectorRegistry()
+    config = make_config()
+    config = cfg.SidecarConfig(
+        spec=config.spec.model_copy(
+            update={"sidecar": config.spec.sidecar.model_copy(update={"max_models": 3})}
+        )
+    )
+    tel = Telemetry(reg, config)
+    tel.update_models(None, supported=False)
+    labels = [tel.model_label(f"m{i}") for i in range(5)]
+    assert labels == ["m0", "m1", "m2", contract.MODEL_OVERFLOW, contract.MODEL_OVERFLOW]
+
+
+def test_counters_bytes_in_flight_and_exemplars() -> None:
+    reg = CollectorRegistry()
+    exporter = InMemorySpanExporter()
+    provider = TracerProvider()
+    provider.add_span_processor(SimpleSpanProcessor(exporter))
+    tel = Telemetry(reg, make_config("--spec", FLEET), tracer=provider.get_tracer("test"))
+    parent = "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"
+    req = tel.begin("dense_batched", "1", contract.PROTOCOL_HTTP, parent, "POST /v2/models/{model}/infer")
+    assert sample(reg, contract.REQUESTS_IN_FLIGHT.name, {"model": "dense_batched"}) == 1
+    assert req.traceparent and req.traceparent.startswith("00-0af7651916cd43dd8448eb211c80319c-")
+    assert not req.traceparent.endswith("b7ad6b7169203331-01")  # our span is the new parent
+    tel.end(req, "200", contract.OUTCOME_SUCCESS, 120, 340)
+    tel.end(req, "200", contract.OUTCOME_SUCCESS, 120, 340)  # a second end is ignored
+    assert sample(reg, contract.REQUESTS_IN_FLIGHT.name, {"model": "dense_batched"}) == 0
+    labels = {"model": "dense_batched", "version": "1", "protocol": "http"}
+    assert sample(reg, contract.REQUESTS_TOTAL.name, {**labels, "code": "200", "outcome": "success"}) == 1
+    assert sample(reg, contract.REQUEST_BYTES.name, {"model": "dense_batched", "protocol": "http"}) == 120
+    assert sample(reg, contract.RESPONSE_BYTES.name, {"model": "dense_batched", "protocol": "http"}) == 340
+    text = openmetrics(reg).decode()
+    assert 'trace_id="0af7651916cd43dd8448eb211c80319c"' in text
+    (span,) = exporter.get_finished_spans()
+    assert span.name == "POST /v2/models/{model}/infer"
+    assert span.kind.name == "SERVER"
+    assert span.attributes["http.response.status_code"] == 200
+    assert span.attributes["inferwatch.model"] == "dense_batched"
+    assert format(span.context.trace_id, "032x") == "0af7651916cd43dd8448eb211c80319c"
+
+
+def test_config_env_and_flags() -> None:
+    c = make_config(
+        "--http-port", "9001", env={"INFERWATCH_HTTP_PORT": "9002", "INFERWATCH_METRICS_PORT": "9003"}
+    )
+    assert c.http_port == 9001 and c.metrics_port == 9003
+    c = make_config(env={"INFERWATCH_SLA": "a=10,b=20", "INFERWATCH_UPSTREAM_HTTP": "10.0.0.1:8000"})
+    assert c.sla_overrides == {"a": 0.01, "b": 0.02} and c.upstream_http == ("10.0.0.1", 8000)
+
+
+@pytest.mark.parametrize(
+    ("argv", "env", "message"),
+    [
+        (["--http-port", "70000"], {}, "--http-port: 70000 is not a TCP port"),
+        (["--request-timeout", "abc"], {}, "--request-timeout: 'abc' is not a number"),
+        (
+            [],
+            {"INFERWATCH_UPSTREAM_HTTP": "nohostport"},
+            "INFERWATCH_UPSTREAM_HTTP: 'nohostport' is not HOST:PORT",
+        ),
+        (["--sla", "m=-1"], {}, "--sla: 'm=-1': the SLA must be a positive number of milliseconds"),
+        (["--route", "^/v1/(.*)"], {}, "--route: '^/v1/(.*)' has no (?P<model>...) group"),
+        (["--spec", "/nonexistent.yaml"], {}, "/nonexistent.yaml: no such file"),
+        (["--trace-sample-ratio", "2"], {}, "--trace-sample-ratio: '2' must be between 0 and 1"),
+    ],
+)
+def test_bad_config_is_one_line(argv: list[str], env: dict[str, str], message: str) -> None:
+    with pytest.raises(cfg.ConfigError) as err:
+        make_config(*argv, env=env)
+    assert str(err.value).startswith(message)
+    assert "\n" not in str(err.value)
