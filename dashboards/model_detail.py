@@ -1,0 +1,207 @@
+"""Model detail: for one model, where does the time go, and is the canary worse?
+
+The latency distribution over time, the sidecar's end-to-end latency beside Triton's
+queue and compute phases per request, the batch size Triton achieved, the queue, and
+every version side by side.
+"""
+
+from __future__ import annotations
+
+from grafanalib import core as g
+
+from dashboards import panels as p
+from dashboards import urls
+from inferwatch import contract as c
+from inferwatch.spec import FleetSpec
+
+NAME = urls.MODEL_DETAIL
+US_PER_S = 1e6
+
+
+def _per_request_s(counter_us: c.Metric, tsel: str) -> str:
+    """Triton's cumulative microsecond counters, per successful request, in seconds."""
+    return f"sum({p.rate(counter_us, tsel)}) / sum({p.rate(c.TRITON_REQUEST_SUCCESS, tsel)}) / {US_PER_S:g}"
+
+
+def dashboard(spec: FleetSpec) -> g.Dashboard:
+    er = spec.alerts.error_rate
+    lat = spec.alerts.latency
+    default_sla = spec.defaults.latency_sla_ms / 1000.0
+    q_label = p.quantile_label(lat.quantile)
+    factor = f"{lat.sla_factor:g}"
+    sel = p.MODEL_VERSION_SEL
+    tsel = p.MODEL_VERSION_SEL  # Triton labels its series model and version too
+    dur = c.REQUEST_DURATION.name
+    bucket = dur + "_bucket"
+    sla = p.sla_seconds(p.MODEL_SEL, "", default_sla)
+
+    latency = p.Row(
+        "Latency",
+        [
+            p.heatmap(
+                "Latency distribution",
+                "How many requests finished in each latency bucket of the sidecar's histogram, over time. "
+                "A second band appearing above the first is a slow path (a canary, a cold cache, a queue).",
+                f"sum by (le) (increase({p.sel(bucket, sel)}[{p.RATE}]))",
+                "s",
+                w=12,
+            ),
+            p.timeseries(
+                f"P50 and {q_label} latency by version",
+                f"Sidecar latency per version: a canary slower than the stable version shows here first. "
+                f"Dashed: the SLA (orange) and {factor}x the SLA (red). Dots on {q_label} are exemplars: "
+                "click one to open its trace.",
+                [
+                    p.target(p.quantile(0.5, p.rate(bucket, sel), "version"), "v{{version}} P50", "A"),
+                    p.target(
+                        p.quantile(lat.quantile, p.rate(bucket, sel), "version"),
+                        f"v{{{{version}}}} {q_label}",
+                        "B",
+                        exemplar=True,
+                    ),
+                    p.target(sla, "SLA", "C"),
+                    p.target(f"{factor} * {sla}", f"{factor}x SLA", "D"),
+                ],
+                "s",
+                "latency",
+                overrides=[p.dashed("SLA", p.WARN), p.dashed(f"{factor}x SLA", p.BAD)],
+                w=12,
+            ),
+            p.timeseries(
+                "Where the time goes: sidecar vs Triton (mean per request)",
+                "The sidecar's end-to-end mean latency beside Triton's own accounting per successful "
+                "request: time queued (waiting for a batch or an instance), compute input, compute infer "
+                "and compute output. Sidecar minus Triton request time is network and proxy time.",
+                p.targets(
+                    (
+                        f"sum({p.rate(dur, sel, suffix='_sum')}) / sum({p.rate(dur, sel, suffix='_count')})",
+                        "sidecar end to end",
+                    ),
+                    (_per_request_s(c.TRITON_REQUEST_DURATION_US, tsel), "Triton request"),
+                    (_per_request_s(c.TRITON_QUEUE_DURATION_US, tsel), "Triton queue"),
+                    (_per_request_s(c.TRITON_COMPUTE_INPUT_US, tsel), "Triton compute input"),
+                    (_per_request_s(c.TRITON_COMPUTE_INFER_US, tsel), "Triton compute infer"),
+                    (_per_request_s(c.TRITON_COMPUTE_OUTPUT_US, tsel), "Triton compute output"),
+                ),
+                "s",
+                "mean time per request",
+                w=24,
+            ),
+        ],
+    )
+
+    load = p.Row(
+        "Traffic, errors and batching by version",
+        [
+            p.timeseries(
+                "Request rate by version",
+                "Requests per second per version: the traffic split of a canary rollout.",
+                p.targets((f"sum by (version) ({p.rate(c.REQUESTS_TOTAL, sel)})", "v{{version}}")),
+                "reqps",
+                "requests/s",
+                w=8,
+            ),
+            p.timeseries(
+                "Server-error ratio by version",
+                f"Server-side failures / requests over {er.window} windows. Red line: the paging threshold "
+                f"({er.threshold:.2%}); green band: healthy (under {p.HEALTHY_ERROR_RATIO:.1%}).",
+                p.targets(
+                    (
+                        p.ratio_or_zero(
+                            p.rate(
+                                c.REQUESTS_TOTAL, sel + f', outcome="{c.OUTCOME_SERVER_ERROR}"', er.window
+                            ),
+                            p.rate(c.REQUESTS_TOTAL, sel, er.window),
+                            "version",
+                        ),
+                        "v{{version}}",
+                    )
+                ),
+                "percentunit",
+                "server errors / requests",
+                thresholds=p.steps(p.OK, (p.HEALTHY_ERROR_RATIO, p.NONE), (er.threshold, p.BAD)),
+                thresholds_style="line+area",
+                soft_max=er.threshold * 1.5,
+                w=8,
+            ),
+            p.timeseries(
+                "Requests by outcome and code",
+                "Every answer the sidecar gave, by outcome (success, client_error, server_error) and "
+                "status code (HTTP status or gRPC code name).",
+                p.targets(
+                    (
+                        f"sum by (outcome, code) ({p.rate(c.REQUESTS_TOTAL, sel)})",
+                        "{{outcome}} {{code}}",
+                    )
+                ),
+                "reqps",
+                "requests/s",
+                w=8,
+            ),
+            p.timeseries(
+                "Achieved batch size by version",
+                f"Inferences per model execution in Triton ({c.TRITON_INFERENCE_COUNT.name} / "
+                f"{c.TRITON_EXEC_COUNT.name}): 1 means dynamic batching is not batching; the preferred "
+                "batch sizes are the target.",
+                p.targets(
+                    (
+                        f"sum by (version) ({p.rate(c.TRITON_INFERENCE_COUNT, tsel)}) / "
+                        f"sum by (version) ({p.rate(c.TRITON_EXEC_COUNT, tsel)})",
+                        "v{{version}}",
+                    )
+                ),
+                "short",
+                "inferences per execution",
+                w=8,
+            ),
+            p.timeseries(
+                "Pending requests in Triton by version",
+                "Requests Triton accepted and has not started executing: a queue that keeps growing "
+                "means the model instances cannot keep up.",
+                p.targets(
+                    (
+                        f"sum by (version) ({p.sel(c.TRITON_PENDING_REQUESTS, tsel)})",
+                        "v{{version}}",
+                    )
+                ),
+                "short",
+                "requests",
+                w=8,
+            ),
+            p.timeseries(
+                "In flight at the sidecar and payload throughput",
+                "Requests the sidecar is holding (left axis) and request/response bytes per second.",
+                p.targets(
+                    (f"sum({p.sel(c.REQUESTS_IN_FLIGHT, p.MODEL_SEL)})", "in flight"),
+                    (
+                        f"sum by (protocol) ({p.rate(c.REQUEST_BYTES, p.MODEL_SEL)})",
+                        "request bytes {{protocol}}",
+                    ),
+                    (
+                        f"sum by (protocol) ({p.rate(c.RESPONSE_BYTES, p.MODEL_SEL)})",
+                        "response bytes {{protocol}}",
+                    ),
+                ),
+                "short",
+                "requests",
+                overrides=[
+                    {
+                        "matcher": {"id": "byRegexp", "options": "^(request|response) bytes.*"},
+                        "properties": [
+                            {"id": "unit", "value": "Bps"},
+                            {"id": "custom.axisPlacement", "value": "right"},
+                            {"id": "custom.axisLabel", "value": "bytes/s"},
+                        ],
+                    }
+                ],
+                w=8,
+            ),
+        ],
+    )
+    return p.dashboard(
+        NAME,
+        "One model: latency distribution, sidecar vs Triton time per phase, achieved batch size, queue, "
+        "and versions side by side for canaries. Generated from the fleet spec.",
+        [p.namespace_var(c.REQUESTS_TOTAL.name), p.model_var(multi=False), p.version_var()],
+        [latency, load],
+    )

@@ -1,0 +1,429 @@
+"""Shared panel helpers: the datasource, variables, selectors, thresholds and layout every
+inferwatch dashboard uses, so each dashboard module only says what it shows.
+
+Every panel gets a unit (and an axis label where the unit alone is ambiguous); every
+query reaches Prometheus through the ``datasource`` variable, which works both when the
+JSON is imported through Grafana's UI and when it is loaded by file provisioning.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from grafanalib import core as g
+
+from dashboards import urls
+from inferwatch import contract as c
+
+# Grafana 10 understands this schema; older schema versions trigger migrations that
+# rewrite panels on load.
+SCHEMA_VERSION = 39
+DS_VAR = "datasource"
+DATASOURCE = {"type": "prometheus", "uid": "${" + DS_VAR + "}"}
+ALL = ".*"  # what "All" means in a regex matcher; also matches series without the label
+TAGS = ["inferwatch"]
+
+# Grafana's built-in interval variables a query may use besides the dashboard's own.
+BUILTIN_VARS = frozenset({"__rate_interval", "__interval", "__range"})
+RATE = "$__rate_interval"
+
+# Grafana colours used for meaning, so every dashboard says "bad" the same way.
+OK = "green"
+WARN = "orange"
+BAD = "red"
+NONE = "transparent"
+
+
+# ---------------------------------------------------------------------------------------
+# Variables
+# ---------------------------------------------------------------------------------------
+def datasource_var() -> g.Template:
+    return g.Template(
+        name=DS_VAR,
+        label="Data source",
+        query="prometheus",
+        type="datasource",
+        default="Prometheus",
+    )
+
+
+def query_var(
+    name: str, label: str, metric: str, label_name: str, selector: str = "", multi: bool = True
+) -> g.Template:
+    """A variable listing the values of ``label_name`` on ``metric{selector}``. A multi-value
+    variable offers "All" (``.*``); a single-value one starts on the first value."""
+    sel = "{" + selector + "}" if selector else ""
+    return g.Template(
+        name=name,
+        label=label,
+        query=f"label_values({metric}{sel}, {label_name})",
+        dataSource=DATASOURCE,
+        includeAll=multi,
+        multi=multi,
+        allValue=ALL if multi else None,
+        default="$__all" if multi else None,
+        refresh=g.REFRESH_ON_TIME_RANGE_CHANGE,
+    )
+
+
+def namespace_var(metric: str) -> g.Template:
+    # Locally (no Kubernetes) the label is absent: "All" (.*) still matches every series.
+    return query_var("namespace", "Namespace", metric, c.L_NAMESPACE)
+
+
+def model_var(multi: bool = True) -> g.Template:
+    return query_var(
+        "model", "Model", c.REQUESTS_TOTAL.name, c.L_MODEL, 'namespace=~"$namespace"', multi=multi
+    )
+
+
+def version_var() -> g.Template:
+    return query_var(
+        "version",
+        "Version",
+        c.REQUESTS_TOTAL.name,
+        c.L_VERSION,
+        'namespace=~"$namespace", model=~"$model"',
+    )
+
+
+def host_var() -> g.Template:
+    return query_var("host", "Host", c.DCGM_GPU_UTIL.name, c.L_HOSTNAME)
+
+
+def gpu_var() -> g.Template:
+    return query_var("gpu", "GPU", c.DCGM_GPU_UTIL.name, c.L_GPU, 'Hostname=~"$host"')
+
+
+# ---------------------------------------------------------------------------------------
+# Selectors (label matchers every query of a kind carries)
+# ---------------------------------------------------------------------------------------
+MODEL_SEL = 'namespace=~"$namespace", model=~"$model"'
+MODEL_VERSION_SEL = MODEL_SEL + ', version=~"$version"'
+GPU_SEL = 'Hostname=~"$host", gpu=~"$gpu"'
+
+
+def sel(metric: c.Metric | str, selector: str, suffix: str = "") -> str:
+    name = metric.name if isinstance(metric, c.Metric) else metric
+    return f"{name}{suffix}{{{selector}}}"
+
+
+def rate(metric: c.Metric | str, selector: str, window: str = RATE, suffix: str = "") -> str:
+    return f"rate({sel(metric, selector, suffix)}[{window}])"
+
+
+def ratio_or_zero(numerator: str, denominator: str, by: str) -> str:
+    """``numerator / denominator`` by ``by``, reading 0 (not "No data") where the numerator has
+    no series yet: a counter with a label value that never happened does not exist."""
+    return (
+        f"(sum by ({by}) ({numerator}) or 0 * sum by ({by}) ({denominator})) / sum by ({by}) ({denominator})"
+    )
+
+
+def quantile(q: float, bucket_rate: str, by: str) -> str:
+    return f"histogram_quantile({q:g}, sum by ({by}, le) ({bucket_rate}))"
+
+
+def quantile_label(q: float) -> str:
+    return f"P{q * 100:g}"
+
+
+# ---------------------------------------------------------------------------------------
+# Targets, thresholds, overrides, links
+# ---------------------------------------------------------------------------------------
+def target(
+    expr: str,
+    legend: str = "",
+    ref: str = "A",
+    instant: bool = False,
+    fmt: str = g.TIME_SERIES_TARGET_FORMAT,
+    exemplar: bool = False,
+) -> g.Target:
+    t = g.Target(
+        expr=expr,
+        legendFormat=legend,
+        refId=ref,
+        instant=instant,
+        format=fmt,
+        datasource=DATASOURCE,
+        intervalFactor=1,
+    )
+    if exemplar:
+        # grafanalib's Target has no exemplar flag; Grafana reads it from the target.
+        t = _ExemplarTarget(**{a.name: getattr(t, a.name) for a in t.__attrs_attrs__})
+    return t
+
+
+class _ExemplarTarget(g.Target):
+    def to_json_data(self) -> dict[str, Any]:
+        return {**super().to_json_data(), "exemplar": True}
+
+
+def targets(*pairs: tuple[str, str], exemplar_ref: str | None = None) -> list[g.Target]:
+    """Targets from (expr, legend) pairs, refIds A, B, C, ..."""
+    out = []
+    for i, (expr, legend) in enumerate(pairs):
+        ref = chr(ord("A") + i)
+        out.append(target(expr, legend, ref, exemplar=(ref == exemplar_ref)))
+    return out
+
+
+def steps(base: str, *rest: tuple[float, str]) -> list[dict[str, Any]]:
+    """Threshold steps: the base colour, then (value, colour) in increasing order."""
+    values = [v for v, _ in rest]
+    if values != sorted(values):
+        raise ValueError(f"threshold values must increase: {values}")
+    return [{"color": base, "value": None}, *({"color": col, "value": v} for v, col in rest)]
+
+
+def dashed(name: str, color: str) -> dict[str, Any]:
+    """An override drawing the series named ``name`` as a fixed-colour dashed reference line."""
+    return {
+        "matcher": {"id": "byName", "options": name},
+        "properties": [
+            {"id": "color", "value": {"mode": "fixed", "fixedColor": color}},
+            {"id": "custom.lineStyle", "value": {"fill": "dash", "dash": [10, 10]}},
+            {"id": "custom.lineWidth", "value": 2},
+        ],
+    }
+
+
+def link_to(name: str, title: str, params: str = "") -> dict[str, Any]:
+    """A data link to another inferwatch dashboard, keeping the time range."""
+    query = "&".join(p for p in (params, "${__url_time_range}", "var-datasource=${datasource}") if p)
+    return {"title": title, "url": f"{urls.path(name)}?{query}", "targetBlank": False}
+
+
+def dashboard_links(current: str) -> list[g.DashboardLink]:
+    """Header links to the other inferwatch dashboards, carrying time range and variables."""
+    return [
+        g.DashboardLink(
+            title=urls.TITLES[name].split(" / ", 1)[-1],
+            type="link",
+            uri=urls.path(name),
+            icon="dashboard",
+            includeVars=True,
+            keepTime=True,
+            tooltip=f"Open {urls.TITLES[name]}",
+        )
+        for name in urls.TITLES
+        if name != current
+    ]
+
+
+# ---------------------------------------------------------------------------------------
+# Panels
+# ---------------------------------------------------------------------------------------
+@dataclass
+class Panel:
+    """A panel before layout: grafanalib object plus its width and height in grid units."""
+
+    obj: g.Panel
+    w: int = 12
+    h: int = 8
+
+
+def timeseries(
+    title: str,
+    description: str,
+    tgts: Sequence[g.Target],
+    unit: str,
+    axis_label: str,
+    *,
+    thresholds: list[dict[str, Any]] | None = None,
+    thresholds_style: str = "off",
+    min_: float | None = 0,
+    max_: float | None = None,
+    soft_max: float | None = None,
+    overrides: Sequence[dict[str, Any]] = (),
+    links: Sequence[dict[str, Any]] = (),
+    repeat: str | None = None,
+    stack: bool = False,
+    fill: int = 0,
+    legend_calcs: Sequence[str] = ("lastNotNull", "max"),
+    w: int = 12,
+    h: int = 8,
+) -> Panel:
+    custom: dict[str, Any] = {}
+    if soft_max is not None:
+        custom["axisSoftMax"] = round(soft_max, 6)
+    obj = g.TimeSeries(
+        title=title,
+        description=description,
+        dataSource=DATASOURCE,
+        targets=list(tgts),
+        unit=unit,
+        axisLabel=axis_label,
+        thresholds=thresholds or steps(OK),
+        thresholdsStyleMode=thresholds_style,
+        overrides=list(overrides),
+        links=list(links),
+        repeat=g.Repeat(direction="h", variable=repeat, maxPerRow=3) if repeat else g.Repeat(),
+        stacking={"mode": "normal", "group": "A"} if stack else {"mode": "none", "group": "A"},
+        fillOpacity=fill,
+        legendDisplayMode="table",
+        legendCalcs=list(legend_calcs),
+        tooltipMode="multi",
+        tooltipSort="desc",
+        maxDataPoints=300,
+        extraJson={"fieldConfig": {"defaults": {"min": min_, "max": max_, "custom": custom}}},
+    )
+    return Panel(obj, w, h)
+
+
+def heatmap(title: str, description: str, expr: str, unit: str, w: int = 12, h: int = 8) -> Panel:
+    """A heatmap of pre-bucketed histogram data (one series per ``le``), Grafana 9+ options."""
+    obj = g.Heatmap(
+        title=title,
+        description=description,
+        dataSource=DATASOURCE,
+        targets=[target(expr, "{{le}}", fmt="heatmap")],
+        dataFormat="tsbuckets",
+        maxDataPoints=60,
+        extraJson={
+            "fieldConfig": {"defaults": {"unit": unit}},
+            "options": {
+                "calculate": False,
+                "cellGap": 1,
+                "color": {"mode": "scheme", "scheme": "Oranges", "scale": "exponential", "exponent": 0.5},
+                "yAxis": {"axisPlacement": "left", "unit": unit, "axisLabel": "latency"},
+                "rowsFrame": {"layout": "le"},
+                "tooltip": {"show": True, "yHistogram": True},
+                "legend": {"show": True},
+                "filterValues": {"le": 1e-9},
+            },
+        },
+    )
+    return Panel(obj, w, h)
+
+
+def table(
+    title: str,
+    description: str,
+    expr: str,
+    unit: str = "short",
+    hide: Sequence[str] = (),
+    w: int = 24,
+    h: int = 7,
+) -> Panel:
+    """An instant-query table (one row per series, labels as columns)."""
+    obj = g.Table(
+        title=title,
+        description=description,
+        dataSource=DATASOURCE,
+        targets=[target(expr, instant=True, fmt=g.TABLE_TARGET_FORMAT)],
+        unit=unit,
+        extraJson={
+            "options": {"cellHeight": "sm", "footer": {"show": False}},
+            "transformations": [
+                {
+                    "id": "organize",
+                    "options": {"excludeByName": dict.fromkeys(("Time", "Value", *hide), True)},
+                }
+            ],
+        },
+    )
+    return Panel(obj, w, h)
+
+
+def stat(
+    title: str,
+    description: str,
+    tgts: Sequence[g.Target],
+    unit: str,
+    thresholds: list[dict[str, Any]],
+    w: int = 6,
+    h: int = 4,
+) -> Panel:
+    obj = g.Stat(
+        title=title,
+        description=description,
+        dataSource=DATASOURCE,
+        targets=list(tgts),
+        format=unit,
+        reduceCalc="lastNotNull",
+        graphMode="area",
+        colorMode="background",
+        noValue="no data",
+        thresholds=thresholds,
+        extraJson={"fieldConfig": {"defaults": {"thresholds": {"mode": "absolute", "steps": thresholds}}}},
+    )
+    return Panel(obj, w, h)
+
+
+@dataclass
+class Row:
+    title: str
+    panels: list[Panel] = field(default_factory=list)
+
+
+def layout(rows: Sequence[Row]) -> list[g.Panel]:
+    """Place rows top to bottom; panels fill each row left to right, wrapping at 24 columns."""
+    out: list[g.Panel] = []
+    y = 0
+    for row in rows:
+        out.append(g.RowPanel(title=row.title, gridPos=g.GridPos(h=1, w=24, x=0, y=y)))
+        y += 1
+        x = 0
+        line_h = 0
+        for p in row.panels:
+            if x + p.w > 24:
+                y += line_h
+                x, line_h = 0, 0
+            p.obj.gridPos = g.GridPos(h=p.h, w=p.w, x=x, y=y)
+            out.append(p.obj)
+            x += p.w
+            line_h = max(line_h, p.h)
+        y += line_h
+    return out
+
+
+def dashboard(
+    name: str, description: str, variables: Sequence[g.Template], rows: Sequence[Row]
+) -> g.Dashboard:
+    return g.Dashboard(
+        title=urls.TITLES[name],
+        uid=urls.uid(name),
+        description=description,
+        tags=TAGS,
+        timezone="browser",
+        refresh="30s",
+        time=g.Time("now-1h", "now"),
+        schemaVersion=SCHEMA_VERSION,
+        graphTooltip=g.GRAPH_TOOLTIP_MODE_SHARED_CROSSHAIR,
+        templating=g.Templating([datasource_var(), *variables]),
+        links=dashboard_links(name),
+        panels=layout(rows),
+    ).auto_panel_ids()
+
+
+# ---------------------------------------------------------------------------------------
+# Expressions more than one dashboard shows (kept here so they cannot drift apart)
+# ---------------------------------------------------------------------------------------
+# The sidecar's codes for a request that ran out of time: HTTP 504 and gRPC DEADLINE_EXCEEDED.
+TIMEOUT_CODES = ("504", "DEADLINE_EXCEEDED")
+HEALTHY_ERROR_RATIO = 0.001  # the source material's healthy band: under 0.1% errors
+HEALTHY_TIMEOUT_RATIO = 0.01  # and under 1% timeouts
+GPU_UTIL_BAND = (40.0, 70.0)  # GPU utilization is best between 40% and 70%
+
+
+def fb_used_ratio(selector: str) -> str:
+    """Framebuffer used / (used + free + reserved) per GPU, as the GPU memory alert's recording
+    rule computes it, from dcgm-exporter's names only. dcgm-exporter before 3.3 has no
+    reserved field: it then counts as 0 instead of blanking the panel."""
+    used = sel(c.DCGM_FB_USED, selector)
+    free = sel(c.DCGM_FB_FREE, selector)
+    reserved = sel(c.DCGM_FB_RESERVED, selector)
+    return f"{used} / ({used} + {free} + ({reserved} or 0 * {used}))"
+
+
+def sla_seconds(selector: str, by: str, default_s: float, window: str = RATE) -> str:
+    """The SLA the sidecar exports per model, and the spec's default for a model with traffic
+    but no exported SLA (DESIGN: the spec's default is the fallback)."""
+    exported = f"max by ({by}) ({sel(c.MODEL_LATENCY_SLA, selector)})"
+    if not by:
+        return f"({exported} or vector({default_s:g}))"
+    traffic = f"sum by ({by}) ({rate(c.REQUESTS_TOTAL, selector, window)})"
+    return f"({exported} or on ({by}) (0 * {traffic} + {default_s:g}))"
