@@ -1,0 +1,486 @@
+"""The gRPC half of the sidecar: a transparent proxy for ``inference.GRPCInferenceService``.
+
+Every method is forwarded as raw bytes (grpc.aio generic handlers with no (de)serializers), so
+tensors are never decoded or copied into Python objects. The only parsing is the request's
+model name and version (see ``grpc_wire``). Status codes, details, trailing metadata and the
+client's metadata (``traceparent`` included) pass through; the client's deadline is propagated
+and capped by the per-request timeout; a client that cancels cancels the upstream call.
+
+Counting (one observation per request, each closed by exactly one ``Telemetry.end``):
+- unary methods: one observation per call, its code the call's status code;
+- ``ModelStreamInfer``: one observation per request *message*, closed by the response (or the
+  in-stream error) for that message, matched by the request ``id`` (first in, first out among
+  equal ids, so a stream whose requests carry no id is matched in order). Messages still open
+  when the stream ends are closed with the stream's final status;
+- methods outside the service (e.g. ``grpc.health.v1``) are forwarded as streams and counted
+  once per call with no model.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import logging
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+import grpc
+import grpc.aio
+
+from inferwatch.contract import MODEL_NONE, PROTOCOL_GRPC
+from sidecar.grpc_wire import WireError, read_strings, stream_response_info
+from sidecar.telemetry import UPSTREAM_GRPC
+
+log = logging.getLogger("inferwatch.sidecar.grpc")
+
+SERVICE = "inference.GRPCInferenceService"
+
+# Method -> (model-name field, version field) of its request message, from the KServe v2 /
+# Triton grpc_service.proto; 0 means the message has no such field (server-level methods).
+UNARY_METHODS: dict[str, tuple[int, int]] = {
+    "ServerLive": (0, 0),
+    "ServerReady": (0, 0),
+    "ModelReady": (1, 2),
+    "ServerMetadata": (0, 0),
+    "ModelMetadata": (1, 2),
+    "ModelInfer": (1, 2),
+    "ModelConfig": (1, 2),
+    "ModelStatistics": (1, 2),
+    "RepositoryIndex": (0, 0),
+    "RepositoryModelLoad": (2, 0),  # repository_name = 1, model_name = 2
+    "RepositoryModelUnload": (2, 0),
+    "SystemSharedMemoryStatus": (0, 0),
+    "SystemSharedMemoryRegister": (0, 0),
+    "SystemSharedMemoryUnregister": (0, 0),
+    "CudaSharedMemoryStatus": (0, 0),
+    "CudaSharedMemoryRegister": (0, 0),
+    "CudaSharedMemoryUnregister": (0, 0),
+    "TraceSetting": (2, 0),  # settings = 1, model_name = 2
+    "LogSettings": (0, 0),
+}
+STREAM_METHOD = "ModelStreamInfer"  # ModelInferRequest in, ModelStreamInferResponse out
+
+# Metadata that must not be copied onto the upstream call: gRPC sets these itself.
+_DROP_METADATA = frozenset({"user-agent", "te", "content-type", "grpc-timeout", "grpc-encoding"})
+_TRACEPARENT = "traceparent"
+
+_OK = grpc.StatusCode.OK
+_CANCELLED = grpc.StatusCode.CANCELLED
+_DEADLINE = grpc.StatusCode.DEADLINE_EXCEEDED
+_UNAVAILABLE = grpc.StatusCode.UNAVAILABLE
+_INTERNAL = grpc.StatusCode.INTERNAL
+
+# Triton drops the status code of an error inside ModelStreamInfer and sends only its message
+# (unless the client asks for ``triton_grpc_error``, which ends the stream with the real
+# status). These prefixes are the messages Triton writes for the client's own mistakes; any
+# other in-stream error is the server's.
+STREAM_CLIENT_ERRORS: tuple[tuple[str, str], ...] = (
+    ("Request for unknown model", "NOT_FOUND"),
+    ("unexpected inference input", "INVALID_ARGUMENT"),
+    ("unexpected inference output", "INVALID_ARGUMENT"),
+    ("expected ", "INVALID_ARGUMENT"),
+    ("unexpected shape", "INVALID_ARGUMENT"),
+    ("inference input", "INVALID_ARGUMENT"),
+    ("input byte size mismatch", "INVALID_ARGUMENT"),
+    ("unexpected explicit tensor data", "INVALID_ARGUMENT"),
+)
+
+
+def stream_error_code(message: str) -> str:
+    """The gRPC code name an in-stream error message stands for (see STREAM_CLIENT_ERRORS)."""
+    # Triton prefixes request errors with "[request id: <id>] ".
+    if message.startswith("[request id:"):
+        message = message.partition("] ")[2]
+    for prefix, code in STREAM_CLIENT_ERRORS:
+        if message.startswith(prefix):
+            return code
+    return _INTERNAL.name
+
+
+def forwarded_metadata(metadata: Any) -> tuple[tuple[str, str | bytes], ...]:
+    """The client's metadata minus what gRPC manages itself (pseudo and transport headers)."""
+    return tuple((k, v) for k, v in (metadata or ()) if k not in _DROP_METADATA and not k.startswith(":"))
+
+
+Metadata = tuple[tuple[str, str | bytes], ...]
+
+
+def traceparent_of(metadata: Metadata) -> str | None:
+    for k, v in metadata:
+        if k == _TRACEPARENT:
+            return v if isinstance(v, str) else None
+    return None
+
+
+def with_traceparent(metadata: Metadata, traceparent: str | None) -> Metadata:
+    """The metadata to send upstream: the sidecar's span context replaces the client's when
+    tracing is on (``traceparent`` set), else the client's metadata goes unchanged."""
+    if traceparent is None:
+        return metadata
+    return (*(kv for kv in metadata if kv[0] != _TRACEPARENT), (_TRACEPARENT, traceparent))
+
+
+def span_attributes(method: str) -> tuple[str, dict[str, str]]:
+    """Span name and attributes for one method, per the OpenTelemetry RPC conventions."""
+    service, _, name = method.lstrip("/").rpartition("/")
+    return f"{service}/{name}", {"rpc.service": service, "rpc.method": name}
+
+
+class GrpcProxy:
+    """The proxy server and its one upstream channel.
+
+    ``telemetry`` is the sidecar's per-request observation API (``sidecar.telemetry.Telemetry``).
+    """
+
+    def __init__(
+        self,
+        upstream: str,
+        telemetry: Any,
+        *,
+        timeout_s: float = 60.0,
+        max_message_bytes: int = 256 * 1024 * 1024,
+        max_concurrent_rpcs: int | None = None,
+        reconnect_backoff_max_s: float = 2.0,
+    ) -> None:
+        self.upstream = upstream
+        self._tel = telemetry
+        self._timeout = timeout_s
+        self._max_concurrent = max_concurrent_rpcs
+        size_options = [
+            ("grpc.max_receive_message_length", max_message_bytes),
+            ("grpc.max_send_message_length", max_message_bytes),
+        ]
+        self._server_options = [*size_options, ("grpc.so_reuseport", 0)]
+        # A short, capped reconnect backoff: gRPC's default grows to 120 s, which would keep
+        # answering UNAVAILABLE for minutes after the upstream came back. No retries: a proxy
+        # must not send a request twice; the client decides.
+        self._channel_options = [
+            *size_options,
+            ("grpc.initial_reconnect_backoff_ms", 100),
+            ("grpc.min_reconnect_backoff_ms", 100),
+            ("grpc.max_reconnect_backoff_ms", max(100, int(reconnect_backoff_max_s * 1000))),
+            ("grpc.enable_retries", 0),
+        ]
+        self._channel: grpc.aio.Channel | None = None
+        self._server: grpc.aio.Server | None = None
+        self._watcher: asyncio.Task | None = None
+        self._handlers: dict[str, grpc.RpcMethodHandler] = {}
+        # Code name and outcome per status code, resolved once.
+        self._codes: dict[grpc.StatusCode, tuple[str, str]] = {
+            c: (c.name, telemetry.outcome_for_grpc(c.name)) for c in grpc.StatusCode
+        }
+        self.port = 0
+
+    # ------------------------------------------------------------------ lifecycle
+    async def start(self, host: str, port: int) -> int:
+        """Listen on host:port (0 picks a free port); return the bound port."""
+        self._channel = grpc.aio.insecure_channel(self.upstream, options=self._channel_options)
+        self._build_handlers(self._channel)
+        self._server = grpc.aio.server(
+            options=self._server_options, maximum_concurrent_rpcs=self._max_concurrent
+        )
+        self._server.add_generic_rpc_handlers((_Router(self._handlers, self._passthrough),))
+        address = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+        try:
+            self.port = self._server.add_insecure_port(address)
+        except RuntimeError as exc:  # grpc reports a busy port this way
+            raise OSError(f"cannot listen for gRPC on {address}: {exc}") from None
+        await self._server.start()
+        self._watcher = asyncio.create_task(self._watch_upstream(), name="grpc-upstream-watch")
+        log.info(
+            "grpc proxy listening",
+            extra={"fields": {"grpc": f"{host}:{self.port}", "upstream_grpc": self.upstream}},
+        )
+        return self.port
+
+    async def stop(self, grace: float | None = 5.0) -> None:
+        """Stop accepting, let calls in flight finish for up to ``grace`` seconds, close upstream."""
+        if self._server is not None:
+            await self._server.stop(grace)
+        if self._watcher is not None:
+            self._watcher.cancel()
+        if self._channel is not None:
+            await self._channel.close()
+
+    async def _watch_upstream(self) -> None:
+        """Follow the channel's connectivity: READY -> up, TRANSIENT_FAILURE -> down.
+
+        The channel keeps reconnecting by itself while in TRANSIENT_FAILURE, so the gauge turns
+        back to 1 when the upstream returns, with or without traffic.
+        """
+        assert self._channel is not None
+        ready, failed = grpc.ChannelConnectivity.READY, grpc.ChannelConnectivity.TRANSIENT_FAILURE
+        state = self._channel.get_state(try_to_connect=True)
+        up: bool | None = None
+        while True:
+            now = True if state is ready else False if state is failed else up
+            if now is not None and now != up:
+                self._tel.set_upstream_up(UPSTREAM_GRPC, now)
+                fields = {"upstream_grpc": self.upstream}
+                if now:
+                    log.info("grpc upstream reachable", extra={"fields": fields})
+                else:
+                    log.warning("grpc upstream unreachable", extra={"fields": fields})
+                up = now
+            await self._channel.wait_for_state_change(state)
+            state = self._channel.get_state(try_to_connect=True)
+
+    # ------------------------------------------------------------------ handlers
+    def _build_handlers(self, channel: grpc.aio.Channel) -> None:
+        for name, (name_field, version_field) in UNARY_METHODS.items():
+            path = f"/{SERVICE}/{name}"
+            upstream = channel.unary_unary(path)  # no serializers: bytes in, bytes out
+            self._handlers[path] = grpc.unary_unary_rpc_method_handler(
+                self._unary(upstream, path, name_field, version_field)
+            )
+        path = f"/{SERVICE}/{STREAM_METHOD}"
+        self._handlers[path] = grpc.stream_stream_rpc_method_handler(
+            self._stream_infer(channel.stream_stream(path), path)
+        )
+
+    def _passthrough(self, path: str) -> grpc.RpcMethodHandler:
+        """Any other method: forwarded as a stream (which carries unary calls too), no model."""
+        assert self._channel is not None
+        return grpc.stream_stream_rpc_method_handler(
+            self._raw_stream(self._channel.stream_stream(path), path)
+        )
+
+    def _timeout_for(self, context: grpc.aio.ServicerContext) -> float:
+        """The client's deadline, capped by the per-request timeout."""
+        remaining = context.time_remaining()
+        if remaining is not None and remaining < self._timeout:
+            return max(remaining, 0.0)
+        return self._timeout
+
+    @staticmethod
+    def _client_gone_code(context: grpc.aio.ServicerContext) -> grpc.StatusCode:
+        """Why our handler was cancelled: the client's deadline passed, or it cancelled."""
+        remaining = context.time_remaining()
+        return _DEADLINE if remaining is not None and remaining <= 0 else _CANCELLED
+
+    def _unary(
+        self, upstream: grpc.aio.UnaryUnaryMultiCallable, path: str, name_field: int, version_field: int
+    ):
+        tel, codes = self._tel, self._codes
+        ok_name, ok_outcome = codes[_OK]
+        span_name, attributes = span_attributes(path)
+
+        async def handler(request: bytes, context: grpc.aio.ServicerContext) -> bytes:
+            model = version = MODEL_NONE
+            if name_field:
+                try:
+                    model, version, _ = read_strings(request, name_field, version_field)
+                except WireError:
+                    pass  # forwarded as is: the upstream answers with its own parse error
+            metadata = forwarded_metadata(context.invocation_metadata())
+            obs = tel.begin(model, version, PROTOCOL_GRPC, traceparent_of(metadata), span_name, attributes)
+            call = upstream(
+                request,
+                timeout=self._timeout_for(context),
+                metadata=with_traceparent(metadata, obs.traceparent),
+            )
+            try:
+                response = await call
+            except grpc.aio.AioRpcError as exc:
+                code = exc.code()
+                name, outcome = codes[code]
+                tel.end(obs, name, outcome, len(request), 0)
+                await context.abort(code, exc.details() or "", exc.trailing_metadata() or ())
+            except asyncio.CancelledError:
+                call.cancel()
+                name, outcome = codes[self._client_gone_code(context)]
+                tel.end(obs, name, outcome, len(request), 0)
+                raise
+            except Exception:
+                # The one error boundary: a sidecar fault is the server's, never a hang.
+                name, outcome = codes[_INTERNAL]
+                tel.end(obs, name, outcome, len(request), 0)
+                log.exception("grpc proxy failure", extra={"fields": {"method": path}})
+                await context.abort(_INTERNAL, "inferwatch sidecar: proxy failure")
+            tel.end(obs, ok_name, ok_outcome, len(request), len(response))
+            trailing = await call.trailing_metadata()
+            if trailing:
+                context.set_trailing_metadata(tuple(trailing))
+            return response
+
+        return handler
+
+    def _stream_infer(self, upstream: grpc.aio.StreamStreamMultiCallable, path: str):
+        tel, codes = self._tel, self._codes
+        ok_name, ok_outcome = codes[_OK]
+        span_name, attributes = span_attributes(path)
+
+        async def handler(requests: AsyncIterator[bytes], context: grpc.aio.ServicerContext) -> None:
+            # One upstream stream for the client's stream; its metadata (traceparent included)
+            # is the client's, since it is sent before any message exists.
+            metadata = forwarded_metadata(context.invocation_metadata())
+            traceparent = traceparent_of(metadata)
+            call = upstream(timeout=self._timeout_for(context), metadata=metadata)
+            # request id -> (observation, request bytes) awaiting their response, oldest first.
+            pending: dict[str, collections.deque] = {}
+            open_count = 0
+
+            async def pump() -> None:
+                nonlocal open_count
+                async for msg in requests:
+                    try:
+                        model, version, rid = read_strings(msg, 1, 2, 3)
+                    except WireError:
+                        model = version = rid = ""
+                    obs = tel.begin(model, version, PROTOCOL_GRPC, traceparent, span_name, attributes)
+                    queue = pending.get(rid)
+                    if queue is None:
+                        queue = pending[rid] = collections.deque()
+                    queue.append((obs, len(msg)))
+                    open_count += 1
+                    await call.write(msg)
+                await call.done_writing()
+
+            def take(rid: str) -> tuple[Any, int] | None:
+                nonlocal open_count
+                queue = pending.get(rid)
+                if not queue:
+                    return None
+                entry = queue.popleft()
+                if not queue:
+                    del pending[rid]
+                open_count -= 1
+                return entry
+
+            def close_all(code: grpc.StatusCode) -> None:
+                nonlocal open_count
+                name, outcome = codes[code]
+                for queue in pending.values():
+                    for obs, size in queue:
+                        tel.end(obs, name, outcome, size, 0)
+                pending.clear()
+                open_count = 0
+
+            pumper = asyncio.create_task(pump())
+            try:
+                async for resp in call:
+                    try:
+                        error, _model, rid, final = stream_response_info(resp)
+                    except WireError:
+                        error, rid, final = "", "", None
+                    if final is not False:  # a decoupled model's non-final response closes nothing
+                        entry = take(rid)
+                        if entry is None and error and open_count:
+                            # An error that names no open request: the oldest one failed.
+                            entry = take(next(iter(pending)))
+                        if entry is not None:
+                            obs, size = entry
+                            if error:
+                                name = stream_error_code(error)
+                                tel.end(obs, name, tel.outcome_for_grpc(name), size, len(resp))
+                            else:
+                                tel.end(obs, ok_name, ok_outcome, size, len(resp))
+                    await context.write(resp)
+                code = await call.code()
+            except grpc.aio.AioRpcError as exc:
+                code = exc.code()
+            except asyncio.CancelledError:
+                call.cancel()
+                pumper.cancel()
+                close_all(self._client_gone_code(context))
+                raise
+            if not pumper.done():
+                pumper.cancel()
+            elif not pumper.cancelled() and pumper.exception() is not None and code is _OK:
+                code = _INTERNAL
+            close_all(code)
+            if code is not _OK:
+                context.set_code(code)
+                context.set_details(await call.details() or "")
+            trailing = await call.trailing_metadata()
+            if trailing:
+                context.set_trailing_metadata(tuple(trailing))
+
+        return handler
+
+    def _raw_stream(self, upstream: grpc.aio.StreamStreamMultiCallable, path: str):
+        tel, codes = self._tel, self._codes
+        span_name, attributes = span_attributes(path)
+
+        async def handler(requests: AsyncIterator[bytes], context: grpc.aio.ServicerContext) -> None:
+            metadata = forwarded_metadata(context.invocation_metadata())
+            obs = tel.begin(MODEL_NONE, "", PROTOCOL_GRPC, traceparent_of(metadata), span_name, attributes)
+            call = upstream(
+                timeout=self._timeout_for(context), metadata=with_traceparent(metadata, obs.traceparent)
+            )
+            sent = received = 0
+
+            async def pump() -> None:
+                nonlocal sent
+                async for msg in requests:
+                    sent += len(msg)
+                    await call.write(msg)
+                await call.done_writing()
+
+            pumper = asyncio.create_task(pump())
+            try:
+                async for resp in call:
+                    received += len(resp)
+                    await context.write(resp)
+                code = await call.code()
+            except grpc.aio.AioRpcError as exc:
+                code = exc.code()
+            except asyncio.CancelledError:
+                call.cancel()
+                pumper.cancel()
+                name, outcome = codes[self._client_gone_code(context)]
+                tel.end(obs, name, outcome, sent, received)
+                raise
+            if not pumper.done():
+                pumper.cancel()
+            elif not pumper.cancelled():
+                pumper.exception()  # retrieved: the call's status already says what happened
+            name, outcome = codes[code]
+            tel.end(obs, name, outcome, sent, received)
+            if code is not _OK:
+                context.set_code(code)
+                context.set_details(await call.details() or "")
+            trailing = await call.trailing_metadata()
+            if trailing:
+                context.set_trailing_metadata(tuple(trailing))
+
+        return handler
+
+
+class _Router(grpc.GenericRpcHandler):
+    """Looks the method up in the prebuilt table; anything else becomes a passthrough stream."""
+
+    def __init__(
+        self, handlers: dict[str, grpc.RpcMethodHandler], fallback: Callable[[str], grpc.RpcMethodHandler]
+    ) -> None:
+        self._handlers = handlers
+        self._fallback = fallback
+
+    def service(self, handler_call_details: grpc.HandlerCallDetails) -> grpc.RpcMethodHandler | None:
+        method = handler_call_details.method
+        handler = self._handlers.get(method)
+        return handler if handler is not None else self._fallback(method)
+
+
+def upstream_target(address: tuple[str, int]) -> str:
+    host, port = address
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
+async def serve(config: Any, telemetry: Any) -> GrpcProxy:
+    """Start the gRPC proxy as ``sidecar.main`` configures it; the caller awaits ``stop(grace)``.
+
+    Message-size limit: ``max_body_bytes``; concurrent calls: ``max_in_flight`` (beyond it
+    gRPC answers RESOURCE_EXHAUSTED); per-request timeout: ``request_timeout``; the upstream
+    is retried within ``connect_timeout`` of coming back.
+    """
+    proxy = GrpcProxy(
+        upstream_target(config.upstream_grpc),
+        telemetry,
+        timeout_s=config.request_timeout,
+        max_message_bytes=config.max_body_bytes,
+        max_concurrent_rpcs=config.max_in_flight,
+        reconnect_backoff_max_s=config.connect_timeout,
+    )
+    await proxy.start(config.host, config.grpc_port)
+    return proxy

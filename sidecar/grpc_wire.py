@@ -1,0 +1,142 @@
+"""A tiny protobuf wire-format reader: the few string fields the gRPC proxy labels requests by.
+
+Hand-written on purpose. Decoding a ``ModelInferRequest`` with the generated classes would
+parse (and copy) every tensor in ``raw_input_contents`` just to read the model name; here a
+length-delimited field that is not wanted is skipped by adding its length to the offset, so
+the cost is a few integer operations per top-level field whatever the tensors weigh, and the
+only bytes copied are the names themselves.
+
+Only top-level fields are read (plus the one nested message of a stream response), wire types
+0, 1, 2 and 5 are skipped, and anything else (groups, truncation, a length past the end) raises
+``WireError``: the proxy then forwards the bytes untouched and lets the upstream judge them.
+"""
+
+from __future__ import annotations
+
+# Wire types (https://protobuf.dev/programming-guides/encoding/).
+_VARINT, _I64, _LEN, _I32 = 0, 1, 2, 5
+
+# ModelStreamInferResponse: error_message = 1, infer_response = 2 (a ModelInferResponse).
+_SR_ERROR, _SR_RESPONSE = 1, 2
+# ModelInferResponse: model_name = 1, id = 3, parameters = 4 (map<string, InferParameter>).
+_IR_MODEL, _IR_ID, _IR_PARAMETERS = 1, 3, 4
+# A map entry is a message {key = 1, value = 2}; InferParameter.bool_param = 1.
+_FINAL_KEY = b"triton_final_response"
+
+
+class WireError(ValueError):
+    """The bytes are not a well-formed protobuf message."""
+
+
+def _varint(buf: bytes, pos: int) -> tuple[int, int]:
+    """The varint at ``pos`` and the offset after it."""
+    try:
+        b = buf[pos]
+        if b < 0x80:
+            return b, pos + 1
+        result, shift = b & 0x7F, 7
+        while True:
+            pos += 1
+            b = buf[pos]
+            result |= (b & 0x7F) << shift
+            if b < 0x80:
+                return result, pos + 1
+            shift += 7
+            if shift > 63:
+                raise WireError("varint longer than 10 bytes")
+    except IndexError:
+        raise WireError("truncated varint") from None
+
+
+def _fields(buf: bytes, start: int, end: int):
+    """Yield (field number, wire type, value start, value end) for each field in buf[start:end].
+
+    For a varint the value span covers its bytes; callers decode only what they want.
+    """
+    pos = start
+    while pos < end:
+        key, pos = _varint(buf, pos)
+        number, wtype = key >> 3, key & 7
+        if number == 0:
+            raise WireError("field number 0")
+        if wtype == _LEN:
+            length, pos = _varint(buf, pos)
+            stop = pos + length
+        elif wtype == _VARINT:
+            _, stop = _varint(buf, pos)
+        elif wtype == _I64:
+            stop = pos + 8
+        elif wtype == _I32:
+            stop = pos + 4
+        else:
+            raise WireError(f"unsupported wire type {wtype} (field {number})")
+        if stop > end:
+            raise WireError(f"field {number} runs past the end of the message")
+        yield number, wtype, pos, stop
+        pos = stop
+
+
+def _text(buf: bytes, start: int, stop: int) -> str:
+    # A name that is not UTF-8 is the upstream's to refuse; the label only needs to be stable.
+    return buf[start:stop].decode("utf-8", "replace")
+
+
+def read_strings(buf: bytes, first: int, second: int = 0, third: int = 0) -> tuple[str, str, str]:
+    """The string fields numbered ``first``, ``second`` and ``third`` ("" when absent or 0).
+
+    Like protobuf parsers, the last occurrence of a repeated scalar wins, so the whole top
+    level is walked; that costs one step per field, never per byte.
+    """
+    a = b = c = ""
+    for number, wtype, start, stop in _fields(buf, 0, len(buf)):
+        if wtype != _LEN:
+            continue
+        if number == first:
+            a = _text(buf, start, stop)
+        elif number == second:
+            b = _text(buf, start, stop)
+        elif number == third:
+            c = _text(buf, start, stop)
+    return a, b, c
+
+
+def _is_final(buf: bytes, start: int, stop: int) -> bool | None:
+    """The ``triton_final_response`` flag of one parameters map entry, None when it is another key."""
+    key_ok = False
+    flag = False
+    for number, wtype, s, e in _fields(buf, start, stop):
+        if number == 1 and wtype == _LEN:
+            key_ok = buf[s:e] == _FINAL_KEY
+        elif number == 2 and wtype == _LEN:
+            for n2, w2, s2, _e2 in _fields(buf, s, e):
+                if n2 == 1 and w2 == _VARINT:
+                    flag = _varint(buf, s2)[0] != 0
+    return flag if key_ok else None
+
+
+def stream_response_info(buf: bytes) -> tuple[str, str, str, bool | None]:
+    """(error_message, model_name, id, final) of a ``ModelStreamInferResponse``.
+
+    ``final`` is Triton's ``triton_final_response`` parameter when the response carries it
+    (decoupled models asked for an empty final response), else None.
+    """
+    error = model = rid = ""
+    final: bool | None = None
+    for number, wtype, start, stop in _fields(buf, 0, len(buf)):
+        if wtype != _LEN:
+            continue
+        if number == _SR_ERROR:
+            error = _text(buf, start, stop)
+        elif number == _SR_RESPONSE:
+            for n, w, s, e in _fields(buf, start, stop):
+                if w != _LEN:
+                    continue
+                if n == _IR_MODEL:
+                    model = _text(buf, s, e)
+                elif n == _IR_ID:
+                    rid = _text(buf, s, e)
+                elif n == _IR_PARAMETERS:
+                    flag = _is_final(buf, s, e)
+                    if flag is not None:
+                        final = flag
+    return error, model, rid, final

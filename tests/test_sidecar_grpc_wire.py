@@ -1,0 +1,181 @@
+"""The gRPC proxy's protobuf field reader, fed raw bytes built by Triton's own generated messages."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from tritonclient.grpc import service_pb2 as pb
+
+from sidecar.grpc_proxy import UNARY_METHODS, forwarded_metadata, stream_error_code, with_traceparent
+from sidecar.grpc_wire import WireError, read_strings, stream_response_info
+
+
+def infer_request(model: str = "ranker", version: str = "", rid: str = "", tensor_bytes: int = 64) -> bytes:
+    req = pb.ModelInferRequest(model_name=model, model_version=version, id=rid)
+    inp = req.inputs.add(name="FEATURES", datatype="FP32", shape=[1, tensor_bytes // 4])
+    inp.parameters["binary_data_size"].int64_param = tensor_bytes
+    req.outputs.add(name="SCORES")
+    req.raw_input_contents.append(np.arange(tensor_bytes // 4, dtype=np.float32).tobytes())
+    return req.SerializeToString()
+
+
+def test_model_and_version_of_an_infer_request() -> None:
+    assert read_strings(infer_request("ranker", "2", "r-1"), 1, 2, 3) == ("ranker", "2", "r-1")
+    assert read_strings(infer_request("dense_batched"), 1, 2) == ("dense_batched", "", "")
+
+
+def test_tensor_bytes_are_skipped_not_parsed() -> None:
+    # 8 MiB of tensor after the names: the reader returns the names and never looks inside it;
+    # a tensor whose bytes look like protobuf tags cannot confuse it either.
+    req = pb.ModelInferRequest(model_name="dense_batched", model_version="1")
+    req.raw_input_contents.append(b"\x0a\x05bogus" * (8 * 1024 * 1024 // 7))
+    assert read_strings(req.SerializeToString(), 1, 2) == ("dense_batched", "1", "")
+
+
+def test_fields_out_of_order_and_repeated_follow_protobuf_rules() -> None:
+    # Encoders may write fields in any order, and the last value of a scalar wins.
+    tail = pb.ModelInferRequest(model_version="3").SerializeToString()
+    head = pb.ModelInferRequest(model_name="first").SerializeToString()
+    again = pb.ModelInferRequest(model_name="last").SerializeToString()
+    data = tail + head + again
+    parsed = pb.ModelInferRequest.FromString(data)
+    assert read_strings(data, 1, 2) == (parsed.model_name, parsed.model_version, "")
+    assert parsed.model_name == "last"
+
+
+@pytest.mark.parametrize(
+    ("message", "fields", "expected"),
+    [
+        (pb.ModelReadyRequest(name="ranker", version="1"), UNARY_METHODS["ModelReady"], ("ranker", "1")),
+        (
+            pb.ModelMetadataRequest(name="ranker", version="2"),
+            UNARY_METHODS["ModelMetadata"],
+            ("ranker", "2"),
+        ),
+        (pb.ModelConfigRequest(name="ranker"), UNARY_METHODS["ModelConfig"], ("ranker", "")),
+        (pb.ModelStatisticsRequest(name="m", version="7"), UNARY_METHODS["ModelStatistics"], ("m", "7")),
+        (
+            pb.RepositoryModelLoadRequest(repository_name="repo", model_name="ranker"),
+            UNARY_METHODS["RepositoryModelLoad"],
+            ("ranker", ""),
+        ),
+        (pb.TraceSettingRequest(model_name="ranker"), UNARY_METHODS["TraceSetting"], ("ranker", "")),
+    ],
+)
+def test_each_model_method_reads_its_own_fields(message, fields: tuple[int, int], expected) -> None:
+    assert read_strings(message.SerializeToString(), *fields)[:2] == expected
+
+
+def test_the_method_table_matches_triton_proto() -> None:
+    """Every unary method of the service is in the table, with the fields its request really has."""
+    service = pb.DESCRIPTOR.services_by_name["GRPCInferenceService"]
+    unary = {m.name: m for m in service.methods if not m.client_streaming}
+    assert set(unary) == set(UNARY_METHODS)
+    for name, (name_field, version_field) in UNARY_METHODS.items():
+        fields = {f.number: f for f in unary[name].input_type.fields}
+        for number, wanted in ((name_field, ("name", "model_name")), (version_field, ("version", "model_version"))):
+            if number:
+                assert fields[number].name in wanted, (name, number)
+                assert fields[number].type == fields[number].TYPE_STRING
+        if not name_field:
+            assert not {"name", "model_name"} & {f.name for f in fields.values()} or name.startswith(
+                ("SystemSharedMemory", "CudaSharedMemory")  # their "name" is a region, not a model
+            )
+
+
+def test_empty_message_has_no_model() -> None:
+    assert read_strings(b"", 1, 2) == ("", "", "")
+
+
+@pytest.mark.parametrize(
+    "data",
+    [
+        infer_request()[:-3],  # truncated inside the tensor bytes
+        b"\x0a\x10ranker",  # length past the end
+        b"\x0a",  # tag without its length
+        b"\x0a\xff\xff",  # truncated length varint
+        b"\x0b\x0c",  # group (wire type 3)
+        b"\x0f",  # wire type 7
+        b"\x00\x01",  # field number 0
+        b"\x08" + b"\xff" * 11,  # varint over 10 bytes
+    ],
+)
+def test_malformed_bytes_raise_wire_error(data: bytes) -> None:
+    with pytest.raises(WireError):
+        read_strings(data, 1, 2)
+
+
+def test_non_utf8_name_does_not_raise() -> None:
+    model, _, _ = read_strings(b"\x0a\x02\xff\xfe", 1, 2)
+    assert isinstance(model, str) and model
+
+
+def test_stream_response_ok_and_error() -> None:
+    ok = pb.ModelStreamInferResponse()
+    ok.infer_response.model_name = "ranker"
+    ok.infer_response.model_version = "2"
+    ok.infer_response.id = "r-7"
+    ok.infer_response.raw_output_contents.append(b"\x00" * 4096)
+    assert stream_response_info(ok.SerializeToString()) == ("", "ranker", "r-7", None)
+
+    err = pb.ModelStreamInferResponse(error_message="Request for unknown model: 'x' is not found")
+    err.infer_response.id = "r-8"  # Triton echoes the failed request's id
+    assert stream_response_info(err.SerializeToString()) == (
+        "Request for unknown model: 'x' is not found",
+        "",
+        "r-8",
+        None,
+    )
+
+
+def test_stream_response_final_flag_of_decoupled_models() -> None:
+    resp = pb.ModelStreamInferResponse()
+    resp.infer_response.model_name = "m"
+    resp.infer_response.parameters["sequence_id"].int64_param = 5
+    resp.infer_response.parameters["triton_final_response"].bool_param = False
+    assert stream_response_info(resp.SerializeToString())[3] is False
+    resp.infer_response.parameters["triton_final_response"].bool_param = True
+    assert stream_response_info(resp.SerializeToString())[3] is True
+
+
+def test_stream_response_truncated_raises() -> None:
+    resp = pb.ModelStreamInferResponse()
+    resp.infer_response.model_name = "ranker"
+    with pytest.raises(WireError):
+        stream_response_info(resp.SerializeToString()[:-2])
+
+
+@pytest.mark.parametrize(
+    ("message", "code"),
+    [
+        ("Request for unknown model: 'nosuch' is not found", "NOT_FOUND"),
+        ("[request id: r-1] unexpected inference input 'BAD' for model 'ranker'", "INVALID_ARGUMENT"),
+        (
+            "[request id: <id_unknown>] expected 1 inputs but got 2 inputs for model 'ranker'",
+            "INVALID_ARGUMENT",
+        ),
+        (
+            "Failed to process the request(s) for model 'ranker_0_0', message: TritonModelException",
+            "INTERNAL",
+        ),
+        ("anything else", "INTERNAL"),
+    ],
+)
+def test_in_stream_errors_are_classified(message: str, code: str) -> None:
+    assert stream_error_code(message) == code
+
+
+def test_metadata_forwarding_drops_transport_headers_and_swaps_traceparent() -> None:
+    client = (
+        ("user-agent", "grpc-python/1.0"),
+        ("traceparent", "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"),
+        ("x-team", "search"),
+        ("token-bin", b"\x00\x01"),
+    )
+    forwarded = forwarded_metadata(client)
+    assert forwarded == client[1:]
+    assert with_traceparent(forwarded, None) is forwarded
+    ours = "00-0af7651916cd43dd8448eb211c80319c-00f067aa0ba902b7-01"
+    swapped = with_traceparent(forwarded, ours)
+    assert [v for k, v in swapped if k == "traceparent"] == [ours]
+    assert ("x-team", "search") in swapped and ("token-bin", b"\x00\x01") in swapped
