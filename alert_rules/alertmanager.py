@@ -16,6 +16,8 @@ from inferwatch.spec import FleetSpec, Receiver
 
 TEMPLATES_DIR = Path(__file__).resolve().parent / "templates"
 TEMPLATE_FILES = ("inferwatch.tmpl",)
+# PagerDuty knows critical, error, warning and info; our severities map onto them.
+_PD_SEVERITY = "{{ if .CommonLabels.severity }}{{ .CommonLabels.severity }}{{ else }}error{{ end }}"
 
 
 def _receiver(receiver: Receiver, pager_token_file: str | None) -> dict:
@@ -42,7 +44,7 @@ def _receiver(receiver: Receiver, pager_token_file: str | None) -> dict:
             {
                 "routing_key_file": pd.routing_key_file,
                 "send_resolved": pd.send_resolved,
-                "severity": "{{ if .CommonLabels.severity }}{{ .CommonLabels.severity }}{{ else }}error{{ end }}",
+                "severity": _PD_SEVERITY,
                 "description": '{{ template "inferwatch.title" . }}',
                 "details": {"summary": '{{ template "inferwatch.text" . }}'},
                 "links": [{"href": '{{ template "inferwatch.runbook" . }}', "text": "runbook"}],

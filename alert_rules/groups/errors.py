@@ -48,11 +48,13 @@ def group(cfg: RulesConfig) -> dict:
                 "annotations": {
                     "summary": (
                         f"{{{{ $labels.{c.L_MODEL} }}}} v{{{{ $labels.{c.L_VERSION} }}}}: server errors "
-                        f"above {cfg.error_threshold:.0%} for {cfg.error_windows} windows of {cfg.error_window}"
+                        f"above {cfg.error_threshold:.0%} for {cfg.error_windows} windows "
+                        f"of {cfg.error_window}"
                     ),
                     "description": (
                         f"At least {{{{ $value | humanizePercentage }}}} of the requests to model "
-                        f"{{{{ $labels.{c.L_MODEL} }}}} version {{{{ $labels.{c.L_VERSION} }}}} failed on the "
+                        f"{{{{ $labels.{c.L_MODEL} }}}} version {{{{ $labels.{c.L_VERSION} }}}} "
+                        "failed on the "
                         f"server side in each of the last {cfg.error_windows} {cfg.error_window} windows "
                         f"(threshold {cfg.error_threshold:.0%}). If a new version was just rolled out, "
                         "roll it back."

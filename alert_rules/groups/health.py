@@ -51,7 +51,9 @@ def group(cfg: RulesConfig) -> dict:
                 "for": cfg.target_down_for,
                 "labels": {"severity": c.SEVERITY_CRITICAL},
                 "annotations": {
-                    "summary": "sidecar {{ $labels.instance }} cannot reach model server {{ $labels.upstream }}",
+                    "summary": (
+                        "sidecar {{ $labels.instance }} cannot reach model server {{ $labels.upstream }}"
+                    ),
                     "description": (
                         "The sidecar at {{ $labels.instance }} has failed to reach its model server "
                         f"{{{{ $labels.upstream }}}} for {cfg.target_down_for}: no model behind it is "

@@ -112,7 +112,9 @@ def group(cfg: RulesConfig) -> dict:
                     "expr": alert_expr(severity, period, slos[0]),
                     "labels": {"severity": severity},
                     "annotations": {
-                        "summary": f"{{{{ $labels.{model} }}}} is burning its error budget {what.split(':')[0]}",
+                        "summary": (
+                            f"{{{{ $labels.{model} }}}} is burning its error budget {what.split(':')[0]}"
+                        ),
                         "description": (
                             f"Model {{{{ $labels.{model} }}}} is spending the error budget of its "
                             f"availability objective over {period} at "
