@@ -1,0 +1,763 @@
+"""``inferwatch demo``: an incident played on the local stack, from fault to page.
+
+The scenario: steady traffic through the sidecar (every model, the ranker's stable and
+canary versions side by side); then three faults, one per alert tier (an error burst in
+one model, a latency regression in the ranker canary, GPU memory pressure on the
+simulated exporter); then recovery. Every page is read back from the pager receiver, so
+what the table reports is what an on-call engineer would have received.
+
+Timing comes from the fleet spec alone (``fleet.demo.yaml`` scales minutes to seconds):
+the steady phase lasts the error rule's windows, and each fault's theoretical minimum
+delay is its rule's condition time (``condition_seconds``) plus one evaluation interval
+plus the group wait of its severity's route.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+
+import httpx
+
+from inferwatch import contract
+from inferwatch.spec import FleetSpec, duration_seconds
+from inferwatch.stack.core import StackInfo
+from inferwatch.stack.log import log
+
+PHASE_STEADY = "steady"
+PHASE_FAULTS = "faults"
+PHASE_RECOVERY = "recovery"
+PHASE_DONE = "done"
+
+# The models the steady traffic hits, as model:version with relative weights.
+TRAFFIC_MIX = (
+    ("dense_batched", "1", 1.0),
+    ("dense_unbatched", "1", 1.0),
+    ("ranker", "1", 1.0),
+    ("ranker", "2", 1.0),
+)
+
+
+class DemoError(Exception):
+    """The demo cannot run (the stack is missing a part it needs); one line."""
+
+
+# ---------------------------------------------------------------------------------------
+# Timing, from the spec
+# ---------------------------------------------------------------------------------------
+def route_for(spec: FleetSpec, severity: str):
+    return {
+        contract.SEVERITY_CRITICAL: spec.routing.critical,
+        contract.SEVERITY_WARNING: spec.routing.warning,
+        contract.SEVERITY_INFO: spec.routing.info,
+    }[severity]
+
+
+def condition_seconds(spec: FleetSpec, alertname: str) -> float:
+    """The shortest time a fault must last before its rule's condition holds, per the spec.
+
+    The error rule judges N consecutive tumbling windows aligned to multiples of the window
+    (alert_rules/groups/errors.py): a burst that starts late in one window can make that
+    window's ratio cross the threshold, so N windows are satisfied after N-1 whole windows
+    and a part of the first. The latency and GPU rules hold their condition for ``for``.
+    """
+    a = spec.alerts
+    if alertname == contract.ALERT_HIGH_ERROR_RATE:
+        return (a.error_rate.consecutive_windows - 1) * duration_seconds(a.error_rate.window)
+    if alertname == contract.ALERT_HIGH_P99_LATENCY:
+        return duration_seconds(a.latency.for_)
+    if alertname == contract.ALERT_GPU_MEMORY_PRESSURE:
+        return duration_seconds(a.gpu_memory.for_)
+    raise KeyError(alertname)
+
+
+def theoretical_minimum(spec: FleetSpec, alertname: str) -> float:
+    """Condition time + one evaluation interval + the group wait of the alert's route."""
+    severity = contract.TIERED_ALERTS[alertname]
+    return (
+        condition_seconds(spec, alertname)
+        + duration_seconds(spec.prometheus.evaluation_interval)
+        + duration_seconds(route_for(spec, severity).group_wait)
+    )
+
+
+def resolve_bound(spec: FleetSpec, alertname: str) -> float:
+    """Expected time from clearing a fault to its resolved notification: the data window
+    the condition looks at, an evaluation, and Alertmanager's group interval."""
+    a = spec.alerts
+    window = {
+        contract.ALERT_HIGH_ERROR_RATE: duration_seconds(a.error_rate.window),
+        contract.ALERT_HIGH_P99_LATENCY: duration_seconds(a.latency.window),
+        contract.ALERT_GPU_MEMORY_PRESSURE: duration_seconds(spec.prometheus.scrape_interval),
+    }[alertname]
+    severity = contract.TIERED_ALERTS[alertname]
+    return (
+        window
+        + duration_seconds(spec.prometheus.evaluation_interval)
+        + duration_seconds(route_for(spec, severity).group_interval)
+    )
+
+
+def deadline_after(minimum: float) -> float:
+    """How long past its theoretical minimum a notification may take on a busy machine
+    before the demo calls it lost."""
+    return max(2.0 * minimum, minimum + 45.0)
+
+
+# ---------------------------------------------------------------------------------------
+# What the demo observes
+# ---------------------------------------------------------------------------------------
+@dataclass
+class Page:
+    """One alert of one notification as the pager stored it."""
+
+    key: str  # the pager's id for the stored record (dedup across polls)
+    received_at: float  # epoch seconds
+    status: str  # firing | resolved
+    alertname: str
+    severity: str
+    labels: dict[str, str]
+    annotations: dict[str, str]
+    receiver: str = ""
+
+    def describe(self) -> str:
+        ident = ", ".join(
+            f"{k}={self.labels[k]}"
+            for k in (*contract.MODEL_ALERT_LABELS, contract.L_GPU)
+            if k in self.labels
+        )
+        return f"{self.alertname} [{self.severity}] {ident}".strip()
+
+
+@dataclass
+class Fault:
+    key: str
+    title: str
+    alertname: str
+    severity: str
+    match: dict[str, str]  # labels the page must carry
+    minimum_s: float
+    resolve_bound_s: float
+    injected_at: float | None = None
+    page_at: float | None = None
+    cleared_at: float | None = None
+    resolved_at: float | None = None
+    page: Page | None = None
+    firing_pages: int = 0
+    resolved_pages: int = 0
+    skipped: str = ""
+
+    def matches(self, page: Page) -> bool:
+        return page.alertname == self.alertname and all(
+            page.labels.get(k) == v for k, v in self.match.items()
+        )
+
+    @property
+    def delay_s(self) -> float | None:
+        if self.injected_at is None or self.page_at is None:
+            return None
+        return self.page_at - self.injected_at
+
+    @property
+    def resolve_delay_s(self) -> float | None:
+        if self.cleared_at is None or self.resolved_at is None:
+            return None
+        return self.resolved_at - self.cleared_at
+
+
+@dataclass
+class DemoResult:
+    spec_path: str
+    started_at: float
+    steady_s: float
+    faults: list[Fault]
+    steady_pages: list[Page] = field(default_factory=list)
+    unexpected_pages: list[Page] = field(default_factory=list)
+    pages: list[Page] = field(default_factory=list)
+    traffic: dict = field(default_factory=dict)
+    ended_at: float = 0.0
+    aborted: str = ""
+
+    @property
+    def ok(self) -> bool:
+        return not self.aborted and all(
+            f.skipped or (f.page_at is not None and f.resolved_at is not None) for f in self.faults
+        )
+
+    def problems(self) -> list[str]:
+        out = []
+        if self.aborted:
+            out.append(self.aborted)
+        for f in self.faults:
+            if f.skipped:
+                continue
+            if f.page_at is None:
+                out.append(f"{f.title}: no {f.alertname} page arrived")
+            elif f.resolved_at is None:
+                out.append(f"{f.title}: no resolved notification arrived after recovery")
+        return out
+
+    def to_json(self) -> dict:
+        def page(p: Page) -> dict:
+            return asdict(p)
+
+        return {
+            "spec": self.spec_path,
+            "started_at": self.started_at,
+            "ended_at": self.ended_at,
+            "steady_s": self.steady_s,
+            "ok": self.ok,
+            "problems": self.problems(),
+            "faults": [
+                {
+                    **{k: v for k, v in asdict(f).items() if k != "page"},
+                    "delay_s": f.delay_s,
+                    "resolve_delay_s": f.resolve_delay_s,
+                    "page": page(f.page) if f.page else None,
+                }
+                for f in self.faults
+            ],
+            "steady_pages": [page(p) for p in self.steady_pages],
+            "unexpected_pages": [page(p) for p in self.unexpected_pages],
+            "pages": [page(p) for p in self.pages],
+            "traffic": self.traffic,
+        }
+
+
+def _epoch(value: object) -> float | None:
+    """Epoch seconds from a number or an ISO 8601 string."""
+    if isinstance(value, int | float):
+        return float(value)
+    if isinstance(value, str) and value:
+        from datetime import datetime
+
+        try:
+            return datetime.fromisoformat(value.replace("Z", "+00:00")).timestamp()
+        except ValueError:
+            return None
+    return None
+
+
+def parse_pages(data: object, now: float) -> list[Page]:
+    """The pager's ``GET /pages`` answer as Page records."""
+    items = data.get("pages", []) if isinstance(data, dict) else data
+    out = []
+    for i, item in enumerate(items or []):
+        if not isinstance(item, dict):
+            continue
+        labels = dict(item.get("labels") or {})
+        annotations = dict(item.get("annotations") or {})
+        received = _epoch(item.get("received_at")) or now
+        key = str(item.get("id", f"{i}:{item.get('fingerprint', '')}:{item.get('status', '')}:{received}"))
+        out.append(
+            Page(
+                key=key,
+                received_at=received,
+                status=str(item.get("status", "")),
+                alertname=labels.get("alertname", ""),
+                severity=labels.get("severity", ""),
+                labels=labels,
+                annotations=annotations,
+                receiver=str(item.get("receiver", "")),
+            )
+        )
+    return out
+
+
+@dataclass
+class AlertState:
+    alertname: str
+    labels: dict[str, str]
+    state: str  # pending | firing
+    active_at: float | None
+
+    def ident(self) -> str:
+        keys = [k for k in (*contract.MODEL_ALERT_LABELS, contract.L_GPU) if k in self.labels]
+        return ",".join(f"{k}={self.labels[k]}" for k in keys)
+
+
+class Observer:
+    """Polls Prometheus (alerts, traffic) and the pager (pages) once a second in a thread,
+    and hands changes to callbacks."""
+
+    def __init__(
+        self,
+        info: StackInfo,
+        spec: FleetSpec,
+        on_page: Callable[[Page], None],
+        on_alert: Callable[[AlertState, str], None],
+        interval: float = 1.0,
+    ) -> None:
+        self.info = info
+        self.interval = interval
+        self.on_page = on_page
+        self.on_alert = on_alert
+        self.alerts: dict[tuple, AlertState] = {}
+        self.rates: dict[tuple[str, str], tuple[float, float]] = {}
+        self.seen_pages: set[str] = set()
+        self.errors = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="demo-observer", daemon=True)
+        self._lock = threading.Lock()
+        token = info.token_file.read_text().strip() if info.token_file.exists() else ""
+        self._client = httpx.Client(
+            timeout=3.0, trust_env=False, headers={"Authorization": f"Bearer {token}"} if token else {}
+        )
+        rate_window = f"{max(4 * duration_seconds(spec.prometheus.scrape_interval), 10):g}s"
+        req = contract.REQUESTS_TOTAL.name
+        by = f"{contract.L_MODEL}, {contract.L_VERSION}"
+        err = f'{contract.L_OUTCOME}="{contract.OUTCOME_SERVER_ERROR}"'
+        self._rate_query = f"sum by ({by}) (rate({req}[{rate_window}]))"
+        self._error_query = f"sum by ({by}) (rate({req}{{{err}}}[{rate_window}]))"
+
+    def baseline(self) -> None:
+        """Remember the pages already stored (from an earlier run), so only new ones count."""
+        for page in self._fetch_pages():
+            self.seen_pages.add(page.key)
+
+    def start(self) -> None:
+        self.baseline()
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=10)
+        self._client.close()
+
+    def poll_once(self) -> None:
+        for page in self._fetch_pages():
+            if page.key not in self.seen_pages:
+                self.seen_pages.add(page.key)
+                self.on_page(page)
+        self._poll_alerts()
+        self._poll_rates()
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            try:
+                self.poll_once()
+            except httpx.HTTPError as exc:
+                self.errors += 1
+                log("warning", "demo poll failed", error=type(exc).__name__)
+            self._stop.wait(self.interval)
+
+    def _fetch_pages(self) -> list[Page]:
+        resp = self._client.get(self.info.url("pager", "/pages"))
+        resp.raise_for_status()
+        return sorted(parse_pages(resp.json(), time.time()), key=lambda p: p.received_at)
+
+    def _poll_alerts(self) -> None:
+        resp = self._client.get(self.info.url("prometheus", "/api/v1/alerts"))
+        resp.raise_for_status()
+        current: dict[tuple, AlertState] = {}
+        for a in resp.json().get("data", {}).get("alerts", []):
+            labels = a.get("labels", {})
+            key = tuple(sorted(labels.items()))
+            current[key] = AlertState(
+                labels.get("alertname", ""), labels, a.get("state", ""), _epoch(a.get("activeAt"))
+            )
+        with self._lock:
+            previous = self.alerts
+            self.alerts = current
+        for key, alert in current.items():
+            old = previous.get(key)
+            if old is None or old.state != alert.state:
+                self.on_alert(alert, old.state if old else "inactive")
+        for key, alert in previous.items():
+            if key not in current:
+                self.on_alert(AlertState(alert.alertname, alert.labels, "inactive", None), alert.state)
+
+    def _query(self, query: str) -> dict[tuple[str, str], float]:
+        resp = self._client.get(self.info.url("prometheus", "/api/v1/query"), params={"query": query})
+        resp.raise_for_status()
+        out = {}
+        for r in resp.json().get("data", {}).get("result", []):
+            m = r.get("metric", {})
+            out[(m.get(contract.L_MODEL, ""), m.get(contract.L_VERSION, ""))] = float(r["value"][1])
+        return out
+
+    def _poll_rates(self) -> None:
+        total = self._query(self._rate_query)
+        errors = self._query(self._error_query)
+        with self._lock:
+            self.rates = {k: (v, errors.get(k, 0.0)) for k, v in sorted(total.items())}
+
+    def snapshot(self) -> tuple[dict[tuple, AlertState], dict[tuple[str, str], tuple[float, float]]]:
+        with self._lock:
+            return dict(self.alerts), dict(self.rates)
+
+
+# ---------------------------------------------------------------------------------------
+# Actions on the stack
+# ---------------------------------------------------------------------------------------
+class Traffic:
+    """Steady open-loop traffic through the sidecar, in a thread, until stopped."""
+
+    def __init__(self, info: StackInfo, rate: float) -> None:
+        from reference_server import loadgen
+
+        self.info = info
+        self.rate = rate
+        self._stop = threading.Event()
+        self._loadgen = loadgen
+        self._thread = threading.Thread(target=self._run, name="demo-traffic", daemon=True)
+        self.summary: dict = {}
+        self.error: str = ""
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def _run(self) -> None:
+        try:
+            self.summary = run_load(self._loadgen, self.info.sidecar_http, self.rate, self._stop)
+        except Exception as exc:  # the demo reports it; traffic dying must not hang the demo
+            self.error = f"{type(exc).__name__}: {exc}"
+            log("error", "demo traffic failed", error=self.error)
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=30)
+
+    @property
+    def alive(self) -> bool:
+        return self._thread.is_alive()
+
+
+def run_load(loadgen, url: str, rate: float, stop: threading.Event) -> dict:
+    """Drive reference_server.loadgen until ``stop`` is set; returns its summary."""
+    mix = [loadgen.ModelTarget(m, v, w) for m, v, w in TRAFFIC_MIX]
+    result = loadgen.run(url=url, protocol="http", rate=rate, duration=None, models=mix, stop=stop)
+    return result.to_json() if hasattr(result, "to_json") else dict(result)
+
+
+def set_fault(
+    info: StackInfo, model: str, version: str | None, error_rate: float = 0.0, extra_latency_ms: float = 0.0
+) -> None:
+    from reference_server import faults
+
+    faults.set_fault(
+        model,
+        version=version,
+        error_rate=error_rate,
+        extra_latency_ms=extra_latency_ms,
+        state_dir=info.faults_state_dir,
+    )
+
+
+def clear_faults(info: StackInfo) -> None:
+    from reference_server import faults
+
+    faults.clear_faults(state_dir=info.faults_state_dir)
+
+
+def simulate_gpu(info: StackInfo, body: dict) -> bool:
+    """POST /simulate on the GPU exporter; False when its backend is not the simulated one."""
+    resp = httpx.post(info.url("gpu_exporter", "/simulate"), json=body, timeout=5.0, trust_env=False)
+    if resp.status_code == 404:
+        return False
+    resp.raise_for_status()
+    return True
+
+
+# ---------------------------------------------------------------------------------------
+# The scenario
+# ---------------------------------------------------------------------------------------
+@dataclass
+class Scenario:
+    steady_s: float | None = None  # default: the error rule's windows
+    rate: float = 24.0
+    error_model: str = "dense_unbatched"
+    error_version: str = "1"
+    error_rate: float = 0.5
+    latency_model: str = "ranker"
+    latency_version: str = "2"
+    extra_latency_ms: float = 300.0
+    gpu: str = "0"
+    gpu_fb_used_ratio: float = 0.97
+    stagger_s: float = 5.0  # between injections, so each page is told apart in time
+
+
+def plan_faults(spec: FleetSpec, sc: Scenario) -> list[Fault]:
+    def fault(key: str, title: str, alertname: str, match: dict[str, str]) -> Fault:
+        return Fault(
+            key,
+            title,
+            alertname,
+            contract.TIERED_ALERTS[alertname],
+            match,
+            theoretical_minimum(spec, alertname),
+            resolve_bound(spec, alertname),
+        )
+
+    return [
+        fault(
+            "error-burst",
+            f"error burst: {sc.error_model} v{sc.error_version} fails {sc.error_rate:.0%}",
+            contract.ALERT_HIGH_ERROR_RATE,
+            {contract.L_MODEL: sc.error_model, contract.L_VERSION: sc.error_version},
+        ),
+        fault(
+            "latency-regression",
+            f"latency regression: {sc.latency_model} v{sc.latency_version} (canary) "
+            f"+{sc.extra_latency_ms:g} ms",
+            contract.ALERT_HIGH_P99_LATENCY,
+            {contract.L_MODEL: sc.latency_model, contract.L_VERSION: sc.latency_version},
+        ),
+        fault(
+            "gpu-memory",
+            f"GPU memory pressure: gpu {sc.gpu} at {sc.gpu_fb_used_ratio:.0%} framebuffer",
+            contract.ALERT_GPU_MEMORY_PRESSURE,
+            {contract.L_GPU: sc.gpu},
+        ),
+    ]
+
+
+class Reporter:
+    """What the demo tells a person; the live view and the line log implement it."""
+
+    def phase(self, name: str, text: str) -> None: ...
+    def event(self, text: str) -> None: ...
+    def tick(self) -> None: ...
+    def close(self) -> None: ...
+
+
+class Demo:
+    def __init__(self, info: StackInfo, spec: FleetSpec, scenario: Scenario, stop: threading.Event) -> None:
+        self.info = info
+        self.spec = spec
+        self.sc = scenario
+        self.stop_event = stop
+        self.faults = plan_faults(spec, scenario)
+        steady = scenario.steady_s
+        if steady is None:
+            er = spec.alerts.error_rate
+            steady = er.consecutive_windows * duration_seconds(er.window)
+        self.result = DemoResult(str(info.spec_path), time.time(), steady, self.faults)
+        self.phase = PHASE_STEADY
+        self.phase_started = time.time()
+        self.reporter: Reporter = Reporter()
+        self.observer = Observer(info, spec, self._on_page, self._on_alert)
+        self.traffic: Traffic | None = None
+        self._lock = threading.Lock()
+
+    # -- callbacks from the observer thread --------------------------------------------
+    def _on_page(self, page: Page) -> None:
+        with self._lock:
+            self.result.pages.append(page)
+            fault = next((f for f in self.faults if f.matches(page)), None)
+            if self.phase == PHASE_STEADY:
+                self.result.steady_pages.append(page)
+            elif fault is None or fault.injected_at is None:
+                self.result.unexpected_pages.append(page)
+            elif page.status == "firing":
+                fault.firing_pages += 1
+                if fault.page_at is None:
+                    fault.page_at, fault.page = page.received_at, page
+            elif page.status == "resolved":
+                fault.resolved_pages += 1
+                if fault.cleared_at is not None and fault.resolved_at is None:
+                    fault.resolved_at = page.received_at
+        when = page.received_at - self.result.started_at
+        self.reporter.event(f"page {page.status}: {page.describe()} (t+{when:.1f}s)")
+        log("info", "page received", status=page.status, alert=page.alertname, labels=page.describe())
+
+    def _on_alert(self, alert: AlertState, old: str) -> None:
+        self.reporter.event(f"alert {alert.alertname} {{{alert.ident()}}}: {old} -> {alert.state}")
+
+    # -- phases ----------------------------------------------------------------------------
+    def _set_phase(self, phase: str, text: str) -> None:
+        self.phase = phase
+        self.phase_started = time.time()
+        self.reporter.phase(phase, text)
+        log("info", "demo phase", phase=phase, detail=text)
+
+    def _sleep(self, seconds: float) -> bool:
+        """Sleep while ticking the view; False when stopped or the traffic died."""
+        end = time.time() + seconds
+        while time.time() < end:
+            if self.stop_event.is_set():
+                self.result.aborted = "interrupted"
+                return False
+            if self.traffic is not None and not self.traffic.alive:
+                self.result.aborted = f"the demo's traffic stopped: {self.traffic.error or 'unknown reason'}"
+                return False
+            self.reporter.tick()
+            self.stop_event.wait(min(0.5, max(0.0, end - time.time())))
+        return True
+
+    def _wait_for(self, done: Callable[[], bool], deadline: float) -> bool:
+        while not done():
+            if time.time() > deadline:
+                return False
+            if not self._sleep(0.5):
+                return False
+        return True
+
+    def run(self, reporter: Reporter | None = None) -> DemoResult:
+        if reporter is not None:
+            self.reporter = reporter
+        r = self.result
+        self.observer.start()
+        self.traffic = Traffic(self.info, self.sc.rate)
+        try:
+            clear_faults(self.info)
+            simulate_gpu(self.info, {"fb_used_ratio": None})
+            self.traffic.start()
+            self._set_phase(
+                PHASE_STEADY, f"{r.steady_s:g}s of steady traffic at {self.sc.rate:g} req/s: nothing may page"
+            )
+            if not self._sleep(r.steady_s):
+                return self._finish()
+            self._set_phase(PHASE_FAULTS, "injecting one fault per alert tier")
+            for i, f in enumerate(self.faults):
+                if i and not self._sleep(self.sc.stagger_s):
+                    return self._finish()
+                self._inject(f)
+            active = [f for f in self.faults if not f.skipped]
+            last = max((f.injected_at or 0) + deadline_after(f.minimum_s) for f in active) if active else 0
+            self._wait_for(lambda: all(f.page_at is not None for f in active), last)
+            if r.aborted:
+                return self._finish()
+            self._set_phase(PHASE_RECOVERY, "clearing every fault: each alert must resolve")
+            clear_faults(self.info)
+            cleared = time.time()
+            if not any(f.key == "gpu-memory" and f.skipped for f in self.faults):
+                simulate_gpu(self.info, {"fb_used_ratio": None})
+            for f in active:
+                f.cleared_at = cleared
+                self.reporter.event(f"cleared: {f.title}")
+            last = cleared + max((deadline_after(f.resolve_bound_s) for f in active), default=0)
+            fired = [f for f in active if f.page_at is not None]
+            self._wait_for(lambda: all(f.resolved_at is not None for f in fired), last)
+            return self._finish()
+        finally:
+            self.traffic.stop()
+            r.traffic = self.traffic.summary
+            self.observer.stop()
+            # A demo stopped half-way must not leave the stack faulty.
+            try:
+                clear_faults(self.info)
+                simulate_gpu(self.info, {"fb_used_ratio": None})
+            except (httpx.HTTPError, OSError):
+                pass
+
+    def _inject(self, f: Fault) -> None:
+        sc = self.sc
+        if f.key == "error-burst":
+            set_fault(self.info, sc.error_model, sc.error_version, error_rate=sc.error_rate)
+        elif f.key == "latency-regression":
+            set_fault(self.info, sc.latency_model, sc.latency_version, extra_latency_ms=sc.extra_latency_ms)
+        elif f.key == "gpu-memory" and not simulate_gpu(
+            self.info, {"fb_used_ratio": sc.gpu_fb_used_ratio, "gpus": [int(sc.gpu)]}
+        ):
+            f.skipped = "the GPU exporter reads a real GPU (NVML): memory pressure cannot be simulated"
+            self.reporter.event(f"skipped: {f.title}: {f.skipped}")
+            return
+        f.injected_at = time.time()
+        self.reporter.event(
+            f"injected: {f.title} (expect {f.alertname} [{f.severity}] in >= {f.minimum_s:g}s)"
+        )
+        log("info", "fault injected", fault=f.key, alert=f.alertname, minimum_s=f"{f.minimum_s:g}")
+
+    def _finish(self) -> DemoResult:
+        self.result.ended_at = time.time()
+        self._set_phase(PHASE_DONE, "finished" if self.result.ok else "; ".join(self.result.problems()))
+        return self.result
+
+
+# ---------------------------------------------------------------------------------------
+# The command
+# ---------------------------------------------------------------------------------------
+def main(args: argparse.Namespace) -> int:
+    from inferwatch.cli import CliError
+    from inferwatch.stack.cli import stack_config, stop_on_signals
+    from inferwatch.stack.core import Stack, StackError, running_stack
+    from inferwatch.stack.demo_view import make_reporter, print_results
+    from inferwatch.stack.supervisor import StartError
+    from inferwatch.stack.view import print_summary, start_progress
+
+    config = stack_config(args)
+    scenario = Scenario(steady_s=args.steady, rate=args.rate)
+    if scenario.rate <= 0:
+        raise CliError("--rate must be above 0", 2)
+    if scenario.steady_s is not None and scenario.steady_s < 0:
+        raise CliError("--steady must be 0 or more seconds", 2)
+    with stop_on_signals() as stop:
+        stack: Stack | None = None
+        info = running_stack(config.state_dir)
+        if info is not None:
+            log("info", "using the running stack", state_dir=str(info.state_dir), spec=str(info.spec_path))
+        else:
+            config.gpu_backend = "simulated"  # the demo pushes the simulated GPU into memory pressure
+            stack = Stack(config, stop)
+            try:
+                stack.preflight()
+                with start_progress() as progress:
+                    info = stack.start(progress)
+            except StartError as exc:
+                if stop.is_set():
+                    return 130
+                raise CliError(str(exc)) from None
+            except StackError as exc:
+                raise CliError(str(exc)) from None
+            print_summary(stack)
+        try:
+            spec = info.spec()
+            demo = Demo(info, spec, scenario, stop)
+            with make_reporter(demo) as reporter:
+                result = demo.run(reporter)
+            print_results(result)
+            if args.json:
+                args.json.write_text(json.dumps(result.to_json(), indent=2))
+            if stack is not None and args.keep_running and not stop.is_set():
+                log("info", "the stack keeps running; Ctrl-C stops it")
+                while not stop.wait(1.0) and stack.check() is None:
+                    pass
+        finally:
+            if stack is not None:
+                survivors = stack.stop()
+                if survivors:
+                    raise CliError(f"processes survived the stop: {' '.join(str(p[0]) for p in survivors)}")
+        if result.aborted == "interrupted":
+            return 130
+        return 0 if result.ok else 1
+
+
+def results_table_rows(result: DemoResult) -> list[list[str]]:
+    """Rows of the final table: fault, injected, page, delay, minimum, ratio, resolved."""
+
+    def rel(t: float | None) -> str:
+        return f"t+{t - result.started_at:.1f}s" if t is not None else "-"
+
+    rows = []
+    for f in result.faults:
+        delay = f.delay_s
+        rows.append(
+            [
+                f.title,
+                f"{f.alertname} [{f.severity}]",
+                rel(f.injected_at),
+                rel(f.page_at) if not f.skipped else "skipped",
+                f"{delay:.1f}s" if delay is not None else "-",
+                f"{f.minimum_s:g}s",
+                f"{delay / f.minimum_s:.2f}x" if delay is not None else "-",
+                f"{f.resolve_delay_s:.1f}s" if f.resolve_delay_s is not None else "-",
+            ]
+        )
+    return rows
+
+
+RESULT_COLUMNS = [
+    "fault",
+    "page",
+    "injected",
+    "page arrived",
+    "delay",
+    "theoretical min",
+    "delay/min",
+    "resolved after",
+]

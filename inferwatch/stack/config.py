@@ -1,0 +1,117 @@
+"""What the stack generates before it starts: Prometheus' scrape config, the rules and the
+Alertmanager config of the spec in use, and the pager's bearer token. All of it lands in
+the state dir, so the files that ran are there to read afterwards."""
+
+from __future__ import annotations
+
+import os
+import secrets
+from collections.abc import Mapping
+from pathlib import Path
+
+import yaml
+
+from inferwatch import contract
+from inferwatch.spec import FleetSpec, Receiver, Routing, Webhook, duration_seconds
+
+# The ports the stack binds, by the contract's names (Grafana does not run here).
+PORT_NAMES = (
+    "triton_http",
+    "triton_grpc",
+    "triton_metrics",
+    "sidecar_http",
+    "sidecar_grpc",
+    "sidecar_metrics",
+    "gpu_exporter",
+    "pager",
+    "alertmanager",
+    "prometheus",
+)
+DEFAULT_PORTS: dict[str, int] = {name: contract.PORTS[name] for name in PORT_NAMES}
+
+
+def _seconds_text(seconds: float) -> str:
+    return f"{seconds:g}s"
+
+
+def prometheus_config(
+    spec: FleetSpec, ports: Mapping[str, int], rule_files: list[Path], host: str = "127.0.0.1"
+) -> dict:
+    """The scrape config: the three jobs of the contract, the spec's intervals, the rules
+    generated from the spec, and the stack's Alertmanager."""
+    interval = duration_seconds(spec.prometheus.scrape_interval)
+    # A scrape may not outlast its interval (Prometheus refuses the config otherwise).
+    timeout = min(10.0, interval)
+
+    def job(name: str, port: int) -> dict:
+        return {"job_name": name, "static_configs": [{"targets": [f"{host}:{port}"]}]}
+
+    return {
+        "global": {
+            "scrape_interval": spec.prometheus.scrape_interval,
+            "scrape_timeout": _seconds_text(timeout),
+            "evaluation_interval": spec.prometheus.evaluation_interval,
+        },
+        "rule_files": [str(p) for p in rule_files],
+        "alerting": {
+            "alertmanagers": [{"static_configs": [{"targets": [f"{host}:{ports['alertmanager']}"]}]}]
+        },
+        "scrape_configs": [
+            job(contract.JOB_SIDECAR, ports["sidecar_metrics"]),
+            job(contract.JOB_TRITON, ports["triton_metrics"]),
+            job(contract.JOB_GPU_EXPORTER, ports["gpu_exporter"]),
+        ],
+    }
+
+
+def local_routing(spec: FleetSpec, pager_url: str, token_file: Path) -> FleetSpec:
+    """The spec with every receiver delivering to the stack's own pager receiver.
+
+    The local stack has one on-call inbox: routes, group waits and repeat intervals stay
+    as the spec says; only where notifications go changes (a PagerDuty key or a Slack
+    URL of a real fleet must not be called from a laptop demo)."""
+    receivers = [
+        Receiver(
+            name=r.name,
+            webhooks=[Webhook(url=pager_url, bearer_token_file=str(token_file), send_resolved=True)],
+        )
+        for r in spec.routing.receivers
+    ]
+    routing = Routing.model_validate({**spec.routing.model_dump(by_alias=True), "receivers": receivers})
+    return spec.model_copy(update={"routing": routing})
+
+
+def pager_token(path: Path) -> str:
+    """The bearer token shared by Alertmanager and the pager; made once, kept 0600."""
+    if path.exists():
+        token = path.read_text().strip()
+        if token:
+            return token
+    path.parent.mkdir(parents=True, exist_ok=True)
+    token = secrets.token_urlsafe(32)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as fh:
+        fh.write(token + "\n")
+    return token
+
+
+def prometheus_rule_files(paths: list[Path]) -> list[Path]:
+    """Of the generator's output, the files Prometheus loads as rule files (it also writes
+    a PrometheusRule resource and the Alertmanager config, which Prometheus would refuse)."""
+    out = []
+    for path in paths:
+        if path.suffix not in (".yaml", ".yml"):
+            continue
+        try:
+            data = yaml.safe_load(path.read_text())
+        except (OSError, yaml.YAMLError):
+            continue
+        if isinstance(data, dict) and set(data) == {"groups"}:
+            out.append(path)
+    return sorted(out)
+
+
+def write_yaml(path: Path, data: object) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(yaml.safe_dump(data, sort_keys=False))
+    return path

@@ -1,0 +1,248 @@
+"""A small process supervisor: ordered start with readiness gates, and a stop that
+leaves nothing behind.
+
+Why not honcho or supervisord: honcho starts everything at once and has no readiness
+gate, so Prometheus would start scraping (and Alertmanager delivering) before their
+targets exist; supervisord is a daemon driven over XML-RPC with its own config format,
+which would outlive a Ctrl-C. What the stack needs is narrow: start in order, wait on
+each component's health endpoint, put each in its own process group, and on stop
+terminate every process it ever spawned, including grandchildren that left the group
+(the Triton launcher runs ``tritonserver`` as its own child). That is what this module
+does, on ``subprocess`` and ``/proc``, in one place that tests exercise directly.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import threading
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+
+from inferwatch.stack.log import log
+
+# A process identity that survives pid reuse: (pid, start time in clock ticks since boot).
+ProcId = tuple[int, int]
+
+
+class StartError(Exception):
+    """A component that could not be started or did not become ready; one line."""
+
+
+@dataclass
+class Component:
+    """One long-running process of the stack."""
+
+    name: str
+    cmd: Sequence[str]
+    ready_url: str
+    log_path: Path
+    env: Mapping[str, str] = field(default_factory=dict)
+    ready_timeout: float = 120.0
+    # What the summary shows (the address a user opens).
+    url: str = ""
+
+
+def _read_stat(pid: int) -> tuple[int, int, int, int] | None:
+    """(ppid, pgid, sid, starttime) of ``pid``, or None when it is gone (or a zombie)."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as fh:
+            raw = fh.read().decode(errors="replace")
+    except OSError:
+        return None
+    # The command name may hold spaces and parentheses: the fields start after the last ')'.
+    fields = raw[raw.rfind(")") + 2 :].split()
+    if fields[0] == "Z":
+        return None
+    return int(fields[1]), int(fields[2]), int(fields[3]), int(fields[19])
+
+
+def process_table() -> dict[int, tuple[int, int, int, int]]:
+    """Every live process: pid -> (ppid, pgid, sid, starttime)."""
+    table = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            stat = _read_stat(int(entry))
+            if stat is not None:
+                table[int(entry)] = stat
+    return table
+
+
+def family(root: int, table: Mapping[int, tuple[int, int, int, int]] | None = None) -> set[ProcId]:
+    """``root``, its descendants, and whatever still sits in its session or process group
+    (orphans reparented to init keep those)."""
+    table = process_table() if table is None else table
+    children: dict[int, list[int]] = {}
+    for pid, (ppid, *_rest) in table.items():
+        children.setdefault(ppid, []).append(pid)
+    found: set[int] = {pid for pid, (_pp, pgid, sid, _st) in table.items() if root in (pgid, sid)}
+    stack = [root, *found]
+    while stack:
+        pid = stack.pop()
+        if pid in table and pid not in found:
+            found.add(pid)
+        for child in children.get(pid, ()):
+            if child not in found:
+                found.add(child)
+                stack.append(child)
+    return {(pid, table[pid][3]) for pid in found if pid in table}
+
+
+def alive(proc_id: ProcId) -> bool:
+    stat = _read_stat(proc_id[0])
+    return stat is not None and stat[3] == proc_id[1]
+
+
+def _signal(proc_id: ProcId, sig: int) -> None:
+    if alive(proc_id):
+        try:
+            os.kill(proc_id[0], sig)
+        except ProcessLookupError:
+            pass
+
+
+@dataclass
+class Running:
+    component: Component
+    proc: subprocess.Popen
+    # Every process ever seen in this component's family; what stop() must see gone.
+    seen: set[ProcId] = field(default_factory=set)
+
+    def snapshot(self, table: Mapping[int, tuple[int, int, int, int]] | None = None) -> None:
+        self.seen |= family(self.proc.pid, table)
+
+
+def log_tail(path: Path, lines: int = 5) -> str:
+    try:
+        text = path.read_text(errors="replace").strip().splitlines()
+    except OSError:
+        return ""
+    return " | ".join(line.strip() for line in text[-lines:])
+
+
+class Supervisor:
+    """Starts components in order, each in its own session (so its process group is its
+    own, and a Ctrl-C on the terminal reaches only us), and stops them in reverse."""
+
+    def __init__(self, stop_event: threading.Event | None = None) -> None:
+        self.running: list[Running] = []
+        self.stop_event = stop_event or threading.Event()
+
+    def start(self, component: Component) -> Running:
+        component.log_path.parent.mkdir(parents=True, exist_ok=True)
+        with open(component.log_path, "ab") as out:
+            proc = subprocess.Popen(
+                list(component.cmd),
+                stdin=subprocess.DEVNULL,
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                env={**os.environ, **component.env},
+                start_new_session=True,
+            )
+        running = Running(component, proc)
+        running.snapshot()
+        self.running.append(running)
+        log("info", "starting", component=component.name, pid=proc.pid, log=str(component.log_path))
+        return running
+
+    def wait_ready(self, running: Running, on_wait: Callable[[float], None] | None = None) -> float:
+        """Poll the component's ready URL; raise StartError if it exits or times out."""
+        comp = running.component
+        t0 = time.monotonic()
+        deadline = t0 + comp.ready_timeout
+        last = "no answer yet"
+        with httpx.Client(timeout=2.0, trust_env=False) as client:
+            while True:
+                if self.stop_event.is_set():
+                    raise StartError(f"{comp.name}: start interrupted")
+                code = running.proc.poll()
+                if code is not None:
+                    tail = log_tail(comp.log_path)
+                    raise StartError(
+                        f"{comp.name} exited with code {code} while starting; its log {comp.log_path} "
+                        f"ends: {tail or '(empty)'}"
+                    )
+                try:
+                    resp = client.get(comp.ready_url)
+                    if resp.status_code == 200:
+                        break
+                    last = f"HTTP {resp.status_code}"
+                except httpx.HTTPError as exc:
+                    last = type(exc).__name__
+                now = time.monotonic()
+                if now > deadline:
+                    raise StartError(
+                        f"{comp.name} not ready after {comp.ready_timeout:.0f}s ({comp.ready_url}: {last}); "
+                        f"see {comp.log_path}"
+                    )
+                if on_wait:
+                    on_wait(now - t0)
+                self.stop_event.wait(0.2)
+        running.snapshot()
+        took = time.monotonic() - t0
+        log("info", "ready", component=comp.name, pid=running.proc.pid, seconds=f"{took:.1f}")
+        return took
+
+    def check(self) -> Running | None:
+        """The first component that exited on its own, if any; also records new descendants."""
+        table = process_table()
+        for running in self.running:
+            if running.proc.poll() is not None:
+                return running
+            running.snapshot(table)
+        return None
+
+    def stop_one(self, running: Running, timeout: float = 15.0) -> list[ProcId]:
+        """SIGTERM the component's process group, SIGKILL it after ``timeout``; then end any
+        process of its family that escaped the group. Returns what survived (nothing, unless
+        the kernel refuses)."""
+        name = running.component.name
+        pid = running.proc.pid
+        if running.proc.poll() is None:
+            running.snapshot()
+        try:
+            os.killpg(pid, signal.SIGTERM)
+        except ProcessLookupError:
+            pass
+        try:
+            running.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            log("warning", "did not stop in time; killing", component=name, pid=pid, seconds=timeout)
+            try:
+                os.killpg(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            running.proc.wait()
+        # Grandchildren in their own sessions (or that ignored SIGTERM) are ended one by one,
+        # giving each the same grace period first.
+        left = [p for p in running.seen if alive(p)]
+        for proc_id in left:
+            _signal(proc_id, signal.SIGTERM)
+        deadline = time.monotonic() + min(timeout, 5.0)
+        while left and time.monotonic() < deadline:
+            time.sleep(0.1)
+            left = [p for p in left if alive(p)]
+        for proc_id in left:
+            log("warning", "killing a leftover process", component=name, pid=proc_id[0])
+            _signal(proc_id, signal.SIGKILL)
+        time.sleep(0.05 if left else 0)
+        survivors = [p for p in running.seen if alive(p)]
+        log("info", "stopped", component=name, pid=pid, code=running.proc.returncode)
+        return survivors
+
+    def stop_all(self, timeout: float = 15.0) -> list[ProcId]:
+        survivors: list[ProcId] = []
+        while self.running:
+            survivors += self.stop_one(self.running.pop(), timeout)
+        return survivors
+
+    def all_seen(self) -> set[ProcId]:
+        out: set[ProcId] = set()
+        for running in self.running:
+            out |= running.seen
+        return out

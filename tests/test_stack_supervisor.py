@@ -1,0 +1,133 @@
+"""The stack's supervisor on real processes: ordered readiness, a start failure that says
+why, and a stop that leaves nothing behind (grandchildren in their own sessions and
+processes that ignore SIGTERM included)."""
+
+from __future__ import annotations
+
+import io
+import os
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from inferwatch.stack import log as stack_log
+from inferwatch.stack.supervisor import Component, StartError, Supervisor, alive, family, process_table
+from tests.fixtures.net import free_port
+
+# A component that leaves two grandchildren behind the group's back: one in its own
+# session, one that ignores SIGTERM; then serves HTTP so it can become ready.
+STUBBORN = """
+import os, signal, subprocess, sys
+a = subprocess.Popen(["sleep", "300"], start_new_session=True)
+b = subprocess.Popen([sys.executable, "-c",
+    "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); time.sleep(300)"])
+open(sys.argv[2], "w").write(f"{a.pid} {b.pid}")
+os.execvp(sys.executable, [sys.executable, "-m", "http.server", sys.argv[1], "--bind", "127.0.0.1"])
+"""
+
+
+def http_component(tmp_path: Path, name: str, script: str | None = None, timeout: float = 30) -> Component:
+    port = free_port()
+    pids = tmp_path / f"{name}.pids"
+    cmd = (
+        [sys.executable, "-c", script, str(port), str(pids)]
+        if script
+        else [sys.executable, "-m", "http.server", str(port), "--bind", "127.0.0.1"]
+    )
+    return Component(name, cmd, f"http://127.0.0.1:{port}/", tmp_path / f"{name}.log", ready_timeout=timeout)
+
+
+def test_stop_leaves_no_process_behind(tmp_path: Path) -> None:
+    sup = Supervisor()
+    comp = http_component(tmp_path, "stubborn", STUBBORN)
+    running = sup.start(comp)
+    sup.wait_ready(running)
+    grandchildren = [int(p) for p in (tmp_path / "stubborn.pids").read_text().split()]
+    table = process_table()
+    ids = {(pid, table[pid][3]) for pid in grandchildren}
+    assert ids <= family(running.proc.pid, table), "the escaped grandchild is part of the family"
+    sup.check()  # records the family, as the stack's watch loop does
+
+    t0 = time.monotonic()
+    survivors = sup.stop_all(timeout=2.0)
+    assert survivors == []
+    assert not any(alive(p) for p in ids), "grandchildren survived the stop"
+    assert running.proc.returncode is not None
+    assert time.monotonic() - t0 < 15
+
+
+def test_components_start_in_order_and_stop_in_reverse(tmp_path: Path) -> None:
+    lines = io.StringIO()
+    stack_log.configure(lines)
+    try:
+        sup = Supervisor()
+        for name in ("first", "second"):
+            sup.wait_ready(sup.start(http_component(tmp_path, name)))
+        assert [r.component.name for r in sup.running] == ["first", "second"]
+        sup.stop_all()
+    finally:
+        stack_log.configure(None)
+    events = [
+        (line.split("msg=")[1].split()[0], line.split("component=")[1].split()[0])
+        for line in lines.getvalue().splitlines()
+    ]
+    assert events == [
+        ("starting", "first"),
+        ("ready", "first"),
+        ("starting", "second"),
+        ("ready", "second"),
+        ("stopped", "second"),
+        ("stopped", "first"),
+    ]
+    assert not sup.running
+
+
+def test_a_component_that_dies_while_starting_says_why(tmp_path: Path) -> None:
+    sup = Supervisor()
+    comp = Component(
+        "broken",
+        [
+            sys.executable,
+            "-c",
+            "import sys; print('cannot open the model repository', file=sys.stderr); sys.exit(3)",
+        ],
+        f"http://127.0.0.1:{free_port()}/",
+        tmp_path / "broken.log",
+    )
+    running = sup.start(comp)
+    with pytest.raises(StartError) as err:
+        sup.wait_ready(running)
+    message = str(err.value)
+    assert "broken exited with code 3" in message
+    assert "cannot open the model repository" in message
+    assert "\n" not in message
+    sup.stop_all()
+
+
+def test_a_component_that_never_gets_ready_times_out(tmp_path: Path) -> None:
+    sup = Supervisor()
+    comp = Component(
+        "silent",
+        [sys.executable, "-c", "import time; time.sleep(60)"],
+        f"http://127.0.0.1:{free_port()}/",
+        tmp_path / "silent.log",
+        ready_timeout=1.0,
+    )
+    running = sup.start(comp)
+    with pytest.raises(StartError, match=r"silent not ready after 1s"):
+        sup.wait_ready(running)
+    sup.stop_all(timeout=2.0)
+    assert running.proc.returncode is not None
+
+
+def test_check_reports_a_component_that_exited(tmp_path: Path) -> None:
+    sup = Supervisor()
+    running = sup.start(http_component(tmp_path, "web"))
+    sup.wait_ready(running)
+    assert sup.check() is None
+    os.kill(running.proc.pid, 9)
+    running.proc.wait()
+    assert sup.check() is running
+    sup.stop_all()
