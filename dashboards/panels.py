@@ -123,7 +123,8 @@ def ratio_or_zero(numerator: str, denominator: str, by: str) -> str:
 
 
 def quantile(q: float, bucket_rate: str, by: str) -> str:
-    return f"histogram_quantile({q:g}, sum by ({by}, le) ({bucket_rate}))"
+    labels = ", ".join(x for x in (by, "le") if x)
+    return f"histogram_quantile({q:g}, sum by ({labels}) ({bucket_rate}))"
 
 
 def quantile_label(q: float) -> str:

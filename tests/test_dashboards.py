@@ -1,0 +1,420 @@
+"""The dashboards, checked without a server: built from the spec, committed and fresh, every
+query parsed by promtool and naming only contract metrics, labels and defined variables,
+units on every panel, links and uids that resolve."""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from dashboards import build, live, panels, urls
+from inferwatch import contract as c
+from inferwatch.spec import load_spec, parse_spec
+
+ROOT = Path(__file__).resolve().parents[1]
+GENERATED = ROOT / "dashboards" / "generated"
+PROVISIONING = ROOT / "dashboards" / "provisioning"
+SPEC = load_spec(ROOT / "fleet.yaml")
+BUILT = build.build(SPEC)
+
+# PromQL's aggregations, keywords and the functions the dashboards may use.
+PROMQL_KEYWORDS = {
+    "sum", "min", "max", "avg", "count", "stddev", "stdvar", "topk", "bottomk", "quantile", "group",
+    "count_values", "by", "without", "on", "ignoring", "group_left", "group_right", "and", "or",
+    "unless", "bool", "offset",
+}  # fmt: skip
+PROMQL_FUNCTIONS = {
+    "rate", "irate", "increase", "delta", "histogram_quantile", "vector", "scalar", "clamp_min",
+    "clamp_max", "abs", "label_replace", "sort_desc", "sort", "max_over_time", "min_over_time",
+    "avg_over_time", "time", "absent",
+}  # fmt: skip
+KNOWN_LABELS = (
+    {label for m in c.ALL_METRICS.values() for label in m.labels}
+    | {v for k, v in vars(c).items() if k.startswith("L_") and isinstance(v, str)}
+    | {"le", "job", "instance", "__name__", "severity"}
+)
+STRING_RE = re.compile(r'"(?:[^"\\]|\\.)*"')
+MATCHERS_RE = re.compile(r"\{([^{}]*)\}")
+GROUPING_RE = re.compile(r"\b(by|without|on|ignoring|group_left|group_right)\s*\(([^()]*)\)")
+IDENT_RE = re.compile(r"(?<![\w.:])([A-Za-z_:][A-Za-z0-9_:]*)(\s*\()?")
+
+
+def queries(dash: dict[str, Any]) -> list[tuple[str, str]]:
+    """(panel title, expr) for every target of every panel."""
+    return [(p["title"], t["expr"]) for p in live.panels(dash) for t in p.get("targets", [])]
+
+
+def variable_queries(dash: dict[str, Any]) -> list[str]:
+    return [v["query"] for v in dash["templating"]["list"] if v["type"] == "query"]
+
+
+def defined_variables(dash: dict[str, Any]) -> set[str]:
+    return {v["name"] for v in dash["templating"]["list"]}
+
+
+def known_series(name: str) -> bool:
+    if name in c.ALL_METRICS or name in c.EXTRA_SERIES:
+        return True
+    return any(name.endswith(s) and name[: -len(s)] in c.ALL_METRICS for s in ("_bucket", "_sum", "_count"))
+
+
+def promql_names(expr: str) -> tuple[set[str], set[str], set[str]]:
+    """(metric names, label names, function names) an expression uses; a small lexer, enough
+    for the dashboards' PromQL (variables are replaced by a duration first)."""
+    expr = live.VAR_RE.sub("5m", STRING_RE.sub('""', expr))
+    labels: set[str] = set()
+    for body in MATCHERS_RE.findall(expr):
+        labels |= {m.group(1) for m in re.finditer(r"([A-Za-z_]\w*)\s*(?:=~|!~|!=|=)", body)}
+    expr = MATCHERS_RE.sub(" ", expr)
+    for _kw, body in GROUPING_RE.findall(expr):
+        labels |= {x.strip() for x in body.split(",") if x.strip()}
+    expr = GROUPING_RE.sub(r"\1 ", expr)
+    expr = re.sub(r"\[[^\]]*\]", " ", expr)
+    metrics: set[str] = set()
+    functions: set[str] = set()
+    for m in IDENT_RE.finditer(expr):
+        ident, call = m.group(1), m.group(2)
+        if ident in PROMQL_KEYWORDS:
+            continue
+        if call:
+            functions.add(ident)
+        elif not re.fullmatch(r"(?i)inf|nan", ident):
+            metrics.add(ident)
+    return metrics, labels, functions
+
+
+def test_builds_every_dashboard_and_counts_them() -> None:
+    modules = sorted(
+        p.stem
+        for p in (ROOT / "dashboards").glob("*.py")
+        if re.search(r"^def dashboard\(spec: FleetSpec\)", p.read_text(), re.M)
+    )
+    assert len(modules) == 3, modules
+    assert len(build.DASHBOARDS) == len(modules) == len(BUILT) == 3
+    assert {d["title"] for d in BUILT.values()} == {
+        "inferwatch / Fleet overview",
+        "inferwatch / Model detail",
+        "inferwatch / GPU",
+    }
+    for name, dash in BUILT.items():
+        assert dash["uid"] == urls.uid(name)
+        assert len(list(live.panels(dash))) >= 6, name
+
+
+def test_generated_json_is_committed_and_fresh() -> None:
+    assert build.stale(SPEC, GENERATED) == [], "run: inferwatch dashboards build"
+    assert sorted(p.name for p in GENERATED.glob("*.json")) == sorted(build.filename(n) for n in BUILT)
+    tracked = subprocess.run(
+        ["git", "ls-files", "dashboards/generated"], cwd=ROOT, capture_output=True, text=True, check=True
+    ).stdout.split()
+    assert sorted(Path(p).name for p in tracked) == sorted(build.filename(n) for n in BUILT)
+
+
+def test_json_has_sorted_keys_and_fixed_indent() -> None:
+    for path in GENERATED.glob("*.json"):
+        text = path.read_text()
+        assert text == json.dumps(json.loads(text), sort_keys=True, indent=2, ensure_ascii=False) + "\n"
+
+
+def test_stale_check_notices_a_spec_change(tmp_path: Path) -> None:
+    build.write(SPEC, tmp_path)
+    assert build.stale(SPEC, tmp_path) == []
+    data = yaml.safe_load((ROOT / "fleet.yaml").read_text())
+    data["alerts"]["gpu_memory"]["threshold"] = 0.8
+    changed = parse_spec(data)
+    assert build.stale(changed, tmp_path) == [tmp_path / "fleet-overview.json", tmp_path / "gpu.json"]
+
+
+@pytest.mark.parametrize("name", list(BUILT))
+def test_every_query_names_only_contract_metrics_labels_and_defined_variables(name: str) -> None:
+    dash = BUILT[name]
+    defined = defined_variables(dash) | panels.BUILTIN_VARS
+    problems = []
+    exprs = queries(dash) + [("variable", q) for q in variable_queries(dash)]
+    assert len(exprs) >= 10
+    for title, expr in exprs:
+        if title == "variable":
+            m = live.LABEL_VALUES_RE.match(expr)
+            assert m, expr
+            expr = m.group("match") or ""
+            problems += [
+                f"{title}: label {m.group('label')}" for _ in [0] if m.group("label") not in KNOWN_LABELS
+            ]
+        metrics, labels, functions = promql_names(expr)
+        problems += [f"{title}: metric {n}" for n in metrics if not known_series(n)]
+        problems += [f"{title}: label {n}" for n in labels if n not in KNOWN_LABELS]
+        problems += [f"{title}: function {n}" for n in functions if n not in PROMQL_FUNCTIONS]
+        for m in live.VAR_RE.finditer(expr):
+            var = m.group(1) or m.group(2) or m.group(3)
+            if var not in defined:
+                problems.append(f"{title}: undefined variable ${var}")
+    for panel in live.panels(dash):
+        for m in live.VAR_RE.finditer(panel["title"]):
+            var = m.group(1) or m.group(2) or m.group(3)
+            if var not in defined:
+                problems.append(f"{panel['title']}: undefined variable ${var}")
+        if panel.get("repeat"):
+            assert panel["repeat"] in defined
+    assert not problems, "\n".join(problems)
+
+
+def test_the_lexer_catches_unknown_names() -> None:
+    """The name check above must be able to fail: a typo'd metric, label or function is seen."""
+    metrics, labels, functions = promql_names(
+        'sum by (modle) (rat(inferwatch_request_total{modle=~"$model"}[$__rate_interval])) / 1e6'
+    )
+    assert metrics == {"inferwatch_request_total"} and not known_series("inferwatch_request_total")
+    assert labels == {"modle"}
+    assert functions == {"rat"}
+
+
+def test_every_query_parses_as_promql(tmp_path: Path) -> None:
+    """promtool parses each expression (variables expanded as Grafana would) as a recording rule."""
+    ctx = live.Context(
+        {
+            name: live.Variable(name, ["a", "b.c"], [live.ALL_TOKEN], panels.ALL, True)
+            for dash in BUILT.values()
+            for name in defined_variables(dash)
+        },
+        start=0,
+        end=3600,
+        step=15,
+        scrape_interval=15,
+    )
+    rules = []
+    for dash in BUILT.values():
+        for _title, expr in queries(dash):
+            rules.append({"record": f"dashboard_query_{len(rules)}", "expr": ctx.expand(expr)})
+        for q in variable_queries(dash):
+            match = live.LABEL_VALUES_RE.match(q).group("match")
+            if match:
+                rules.append({"record": f"dashboard_query_{len(rules)}", "expr": ctx.expand(match)})
+    assert len(rules) >= 40
+    path = tmp_path / "queries.yml"
+    path.write_text(yaml.safe_dump({"groups": [{"name": "dashboards", "rules": rules}]}))
+    proc = subprocess.run(["promtool", "check", "rules", str(path)], capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert f"SUCCESS: {len(rules)} rules found" in proc.stdout
+
+
+def test_promtool_check_would_catch_a_broken_query(tmp_path: Path) -> None:
+    path = tmp_path / "bad.yml"
+    rule = {"record": "x", "expr": "sum by (model) (rate(up[5m])"}
+    path.write_text(yaml.safe_dump({"groups": [{"name": "g", "rules": [rule]}]}))
+    assert subprocess.run(["promtool", "check", "rules", str(path)], capture_output=True).returncode != 0
+
+
+@pytest.mark.parametrize("name", list(BUILT))
+def test_every_panel_has_a_unit_an_axis_label_and_the_datasource_variable(name: str) -> None:
+    dash = BUILT[name]
+    assert "__inputs" not in dash
+    for panel in live.panels(dash):
+        defaults = panel["fieldConfig"]["defaults"]
+        assert defaults.get("unit"), f"{panel['title']}: no unit"
+        assert panel["description"], f"{panel['title']}: no description"
+        assert panel["datasource"] == panels.DATASOURCE
+        for t in panel["targets"]:
+            assert t["datasource"] == panels.DATASOURCE
+        if panel["type"] == "timeseries":
+            assert defaults["custom"]["axisLabel"], f"{panel['title']}: no axis label"
+            for ov in panel["fieldConfig"]["overrides"]:
+                props = {p["id"]: p["value"] for p in ov["properties"]}
+                if props.get("custom.axisPlacement") == "right":
+                    assert props.get("unit") and props.get("custom.axisLabel"), panel["title"]
+        if panel["type"] == "heatmap":
+            assert panel["options"]["yAxis"]["unit"] == "s"
+
+
+def test_variables_work_for_provisioning_and_import() -> None:
+    required = {
+        urls.FLEET_OVERVIEW: {"datasource", "namespace", "model", "version", "host"},
+        urls.MODEL_DETAIL: {"datasource", "namespace", "model", "version"},
+        urls.GPU: {"datasource", "host", "gpu", "namespace"},
+    }
+    for name, dash in BUILT.items():
+        variables = {v["name"]: v for v in dash["templating"]["list"]}
+        assert required[name] <= set(variables), name
+        ds = variables["datasource"]
+        assert ds["type"] == "datasource" and ds["query"] == "prometheus"
+        for v in variables.values():
+            if v["type"] == "query":
+                assert v["datasource"] == panels.DATASOURCE
+                if v["includeAll"]:
+                    assert v["allValue"] == ".*", "All must also match series without the label"
+
+
+def _panel(dash: dict[str, Any], title: str) -> dict[str, Any]:
+    return next(p for p in live.panels(dash) if p["title"] == title)
+
+
+def _steps(panel: dict[str, Any]) -> list[float]:
+    return [
+        s["value"] for s in panel["fieldConfig"]["defaults"]["thresholds"]["steps"] if s["value"] is not None
+    ]
+
+
+def test_thresholds_and_windows_come_from_the_spec() -> None:
+    data = yaml.safe_load((ROOT / "fleet.yaml").read_text())
+    data["alerts"]["error_rate"].update(threshold=0.02, window="2m")
+    data["alerts"]["latency"].update(sla_factor=3, quantile=0.95, window="10m")
+    data["alerts"]["gpu_memory"]["threshold"] = 0.8
+    data["defaults"]["latency_sla_ms"] = 750
+    spec = parse_spec(data)
+    built = build.build(spec)
+    fleet, model, gpu = built[urls.FLEET_OVERVIEW], built[urls.MODEL_DETAIL], built[urls.GPU]
+
+    errors = _panel(fleet, "Server-error ratio by model")
+    assert _steps(errors) == [panels.HEALTHY_ERROR_RATIO, 0.02]
+    assert "[2m]" in errors["targets"][0]["expr"]
+    assert _steps(_panel(model, "Server-error ratio by version")) == [panels.HEALTHY_ERROR_RATIO, 0.02]
+    assert _steps(_panel(fleet, "Timeout ratio by model")) == [panels.HEALTHY_TIMEOUT_RATIO]
+    assert 'code=~"504|DEADLINE_EXCEEDED"' in _panel(fleet, "Timeout ratio by model")["targets"][0]["expr"]
+
+    ratio = _panel(fleet, "P95 latency / SLA by model")
+    assert _steps(ratio) == [1.0, 3.0]
+    assert (
+        "histogram_quantile(0.95," in ratio["targets"][0]["expr"] and "[10m]" in ratio["targets"][0]["expr"]
+    )
+    assert "+ 0.75)" in ratio["targets"][0]["expr"]  # the spec's default SLA as fallback
+    per_model = _panel(fleet, "Latency: $model")
+    assert per_model["repeat"] == "model"
+    legends = [t["legendFormat"] for t in per_model["targets"]]
+    assert legends == ["P50", "P95", "SLA", "3x SLA"]
+    assert per_model["targets"][3]["expr"].startswith("3 * ")
+
+    assert _steps(_panel(gpu, "Framebuffer used / total")) == [0.8]
+    assert _steps(_panel(fleet, "GPU framebuffer used by GPU")) == [0.8]
+    util = _panel(gpu, "GPU utilization")
+    assert _steps(util) == list(panels.GPU_UTIL_BAND)
+    assert [s["color"] for s in util["fieldConfig"]["defaults"]["thresholds"]["steps"]] == [
+        "transparent",
+        "green",
+        "transparent",
+    ]
+    assert util["fieldConfig"]["defaults"]["custom"]["thresholdsStyle"]["mode"] == "area"
+
+
+def test_alerts_firing_now_panel() -> None:
+    panel = _panel(BUILT[urls.FLEET_OVERVIEW], "Alerts firing now")
+    assert panel["type"] == "table"
+    assert panel["targets"][0]["instant"] is True
+    assert panel["targets"][0]["expr"] == 'ALERTS{alertstate="firing"}'
+
+
+def test_links_between_dashboards_resolve() -> None:
+    paths = {urls.path(n) for n in BUILT}
+    for name, dash in BUILT.items():
+        linked = {link["url"] for link in dash["links"]}
+        assert linked == paths - {urls.path(name)}
+        assert all(link["includeVars"] and link["keepTime"] for link in dash["links"])
+        for panel in live.panels(dash):
+            for link in panel.get("links", []):
+                assert link["url"].split("?")[0] in paths, link
+    # Per-model panels of the overview link to the model's detail.
+    rate = _panel(BUILT[urls.FLEET_OVERVIEW], "Request rate by model")
+    assert rate["links"][0]["url"].startswith(
+        urls.path(urls.MODEL_DETAIL) + "?var-model=${__field.labels.model}"
+    )
+
+
+def test_uids_are_stable_and_dashboard_url_points_at_them() -> None:
+    for name, dash in BUILT.items():
+        assert dash["uid"] == urls.uid(name) == urls.uid(dash["title"])
+        assert len(dash["uid"]) <= 40
+        assert re.fullmatch(r"[a-z0-9-]+", dash["uid"])
+        assert urls.dashboard_url(SPEC, name) == (
+            f"{SPEC.links.grafana_url.rstrip('/')}/d/{dash['uid']}/{urls.slug(dash['title'])}"
+        )
+        # The committed JSON carries the same uid (what an alert link resolves to).
+        assert json.loads((GENERATED / build.filename(name)).read_text())["uid"] == dash["uid"]
+    assert len({d["uid"] for d in BUILT.values()}) == len(BUILT)
+    url = urls.dashboard_url(SPEC, urls.MODEL_DETAIL, {"model": "{{ $labels.model }}"})
+    assert url.endswith("/d/inferwatch-model-detail/inferwatch-model-detail?var-model={{ $labels.model }}")
+    with pytest.raises(KeyError, match="unknown dashboard"):
+        urls.uid("nope")
+
+
+def test_configmaps_for_kube_prometheus_stack() -> None:
+    maps = build.configmaps(SPEC, namespace="monitoring")
+    assert len(maps) == len(BUILT)
+    for cm in maps:
+        assert cm["kind"] == "ConfigMap" and cm["metadata"]["namespace"] == "monitoring"
+        assert cm["metadata"]["labels"]["grafana_dashboard"] == "1"
+        ((key, text),) = cm["data"].items()
+        name = key.removesuffix(".json")
+        assert json.loads(text) == BUILT[name]
+        assert text == (GENERATED / key).read_text()
+
+
+def test_provisioning_files_point_grafana_at_the_generated_json() -> None:
+    ds = yaml.safe_load((PROVISIONING / "datasources" / "prometheus.yaml").read_text())
+    (source,) = ds["datasources"]
+    assert source["type"] == "prometheus" and source["isDefault"] is True
+    assert source["url"].endswith(f":{c.PORTS['prometheus']}")
+    assert source["jsonData"]["exemplarTraceIdDestinations"][0]["name"] == "trace_id"
+    prov = yaml.safe_load((PROVISIONING / "dashboards" / "inferwatch.yaml").read_text())
+    (provider,) = prov["providers"]
+    assert provider["type"] == "file" and provider["options"]["path"]
+
+
+def test_variable_expansion_matches_grafana() -> None:
+    variables = {
+        "model": live.Variable("model", ["a.b", "c"], [live.ALL_TOKEN], ".*", True),
+        "version": live.Variable("version", ["1", "2"], ["1", "2"], ".*", True),
+        "host": live.Variable("host", ["h1"], ["h1"], None, False),
+    }
+    ctx = live.Context(variables, start=0, end=600, step=15, scrape_interval=1)
+    assert ctx.expand('x{model=~"$model", version=~"${version}", Hostname="[[host]]"}') == (
+        'x{model=~".*", version=~"(1|2)", Hostname="h1"}'
+    )
+    assert ctx.expand("rate(x[$__rate_interval])") == "rate(x[16s])"
+    assert ctx.with_overrides({"model": "c"}).expand("Latency: $model") == "Latency: c"
+    assert live.Variable("m", ["a.b", "c"], ["a.b", "c"], None, True).value() == r"(a\\.b|c)"
+    assert live.legend("v{{version}} P99", {"version": "2"}) == "v2 P99"
+
+
+def test_cli_build_writes_and_checks(tmp_path: Path) -> None:
+    exe = str(ROOT / ".venv" / "bin" / "inferwatch")
+    out = tmp_path / "gen"
+    proc = subprocess.run([exe, "dashboards", "build", "--out", str(out)], capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr
+    assert sorted(p.name for p in out.iterdir()) == sorted(build.filename(n) for n in BUILT)
+    ok = subprocess.run(
+        [exe, "dashboards", "build", "--out", str(out), "--check"], capture_output=True, text=True
+    )
+    assert ok.returncode == 0, ok.stderr
+    (out / "gpu.json").write_text("{}")
+    stale = subprocess.run(
+        [exe, "dashboards", "build", "--out", str(out), "--check"], capture_output=True, text=True
+    )
+    assert stale.returncode == 1
+    assert stale.stderr.startswith("inferwatch: error: stale dashboards") and "gpu.json" in stale.stderr
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("alerts:\n  error_rate:\n    threshold: 7\n")
+    cmd = [exe, "dashboards", "build", "--spec", str(bad), "--out", str(out)]
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    assert proc.returncode == 2
+    assert proc.stderr.count("\n") == 1 and "alerts.error_rate.threshold" in proc.stderr
+
+
+def test_cli_snapshot_refuses_bad_input(tmp_path: Path) -> None:
+    exe = str(ROOT / ".venv" / "bin" / "inferwatch")
+    for args, msg in (
+        (["--prometheus", "localhost:9090"], "is not a Prometheus URL"),
+        (["--prometheus", "http://127.0.0.1:9", "--range", "soon"], "is not a duration"),
+        (["--prometheus", "http://127.0.0.1:9", "--var", "model"], "use NAME=VALUE"),
+        (["--prometheus", "http://127.0.0.1:9"], "cannot reach Prometheus"),
+    ):
+        proc = subprocess.run(
+            [exe, "dashboards", "snapshot", "--out", str(tmp_path / "snap"), *args],
+            capture_output=True,
+            text=True,
+        )
+        assert proc.returncode != 0, args
+        assert proc.stderr.startswith("inferwatch: error: ") and msg in proc.stderr, proc.stderr
