@@ -18,7 +18,9 @@ from inferwatch import __version__
 # Components add themselves here, one line each, when their commands work.
 COMMAND_MODULES = [
     "inferwatch.spec_cli",
+    "reference_server.cli",
     "dashboards.cli",
+    "exporters.cli",
 ]
 
 EXIT_USAGE = 2

@@ -168,6 +168,9 @@ DCGM_UNCORRECTABLE_REMAPPED_ROWS = _dcgm(
 DCGM_ROW_REMAP_FAILURE = _dcgm(
     "DCGM_FI_DEV_ROW_REMAP_FAILURE", "gauge", "Whether remapping of rows has failed"
 )
+# In dcgm-exporter's default-counters.csv too; NVML reads them (encoder/decoder utilization).
+DCGM_ENC_UTIL = _dcgm("DCGM_FI_DEV_ENC_UTIL", "gauge", "Encoder utilization (in %).", "percent")
+DCGM_DEC_UTIL = _dcgm("DCGM_FI_DEV_DEC_UTIL", "gauge", "Decoder utilization (in %).", "percent")
 
 DCGM_METRICS = (
     DCGM_GPU_UTIL,
@@ -186,6 +189,8 @@ DCGM_METRICS = (
     DCGM_CORRECTABLE_REMAPPED_ROWS,
     DCGM_UNCORRECTABLE_REMAPPED_ROWS,
     DCGM_ROW_REMAP_FAILURE,
+    DCGM_ENC_UTIL,
+    DCGM_DEC_UTIL,
 )
 
 # ---------------------------------------------------------------------------------------
@@ -206,11 +211,14 @@ GPU_XID_ERRORS_TOTAL = Metric(
     (*GPU_LABELS, "xid"),
     source="gpu_exporter",
 )
+# What /proc/<pid>/cgroup proves about a GPU process, for when names are unknown.
+L_POD_UID = "pod_uid"
+L_CONTAINER_ID = "container_id"
 GPU_PROCESS_MEMORY = Metric(
     "inferwatch_gpu_process_memory_bytes",
     "gauge",
     "GPU memory used by the processes of one pod/container on one GPU.",
-    (*GPU_LABELS, L_POD, L_NAMESPACE, L_CONTAINER),
+    (*GPU_LABELS, L_POD, L_NAMESPACE, L_CONTAINER, L_POD_UID, L_CONTAINER_ID),
     unit="bytes",
     source="gpu_exporter",
 )
