@@ -2,4 +2,6 @@
 
 pytest_plugins = [
     "tests.fixtures.net",
+    "tests.fixtures.gpu_exporter",
+    "tests.fixtures.triton",
 ]

@@ -1,0 +1,121 @@
+"""``inferwatch triton``, ``fault``, ``load`` and ``naive-server``: the reference server's commands.
+
+Heavy imports stay inside the command functions so ``inferwatch --help`` stays fast.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import signal
+import sys
+import time
+
+from inferwatch.cli import CliError
+
+
+def _log(msg: str, **fields: object) -> None:
+    """One structured line (logfmt) on stderr."""
+    parts = [f"ts={time.strftime('%Y-%m-%dT%H:%M:%S')}", "component=triton-launcher", f'msg="{msg}"']
+    parts += [f"{k}={json.dumps(v) if isinstance(v, str) and ' ' in v else v}" for k, v in fields.items()]
+    print(" ".join(parts), file=sys.stderr, flush=True)
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    _register_triton(sub)
+
+
+# ---------------------------------------------------------------------------------------
+# inferwatch triton
+# ---------------------------------------------------------------------------------------
+def _register_triton(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "triton",
+        help="run the bundled Triton reference server in the foreground",
+        description=(
+            "Start NVIDIA Triton on the reference model repository (dense_batched, dense_unbatched, "
+            "ranker v1/v2), wait until every model is ready, and keep it running until SIGTERM or "
+            "Ctrl-C, which stop it cleanly. Fault injection (inferwatch fault) works on the state "
+            "directory given here."
+        ),
+    )
+    p.add_argument("--model-repository", default=None, help="model repository (default: the bundled one)")
+    p.add_argument("--host", default="127.0.0.1", help="address to bind (default: %(default)s)")
+    p.add_argument("--http-port", type=int, default=8000, help="KServe v2 HTTP port (default: %(default)s)")
+    p.add_argument("--grpc-port", type=int, default=8001, help="KServe v2 gRPC port (default: %(default)s)")
+    p.add_argument(
+        "--metrics-port", type=int, default=8002, help="Prometheus metrics port (default: %(default)s)"
+    )
+    p.add_argument("--log-file", default=None, help="Triton's log (default: STATE_DIR/triton/triton.log)")
+    p.add_argument(
+        "--state-dir",
+        default=None,
+        help="where faults, the backend folder and the log live (default: $INFERWATCH_STATE_DIR "
+        "or ~/.local/state/inferwatch)",
+    )
+    p.add_argument(
+        "--tritonserver",
+        default=None,
+        help="the tritonserver binary (default: $INFERWATCH_TRITONSERVER, PATH, /opt/tritonserver, "
+        "then the nvidia-pytriton wheel)",
+    )
+    p.add_argument(
+        "--ready-timeout",
+        type=float,
+        default=180.0,
+        help="seconds to wait for readiness (default: %(default)s)",
+    )
+    p.set_defaults(func=_triton)
+
+
+def _triton(args: argparse.Namespace) -> int:
+    from reference_server.catalog import MODEL_REPOSITORY
+    from reference_server.launcher import LauncherError, TritonServer
+
+    for name in ("http_port", "grpc_port", "metrics_port"):
+        if not 0 < getattr(args, name) < 65536:
+            raise CliError(f"--{name.replace('_', '-')} must be a port number (1-65535)", 2)
+    server = TritonServer(
+        args.model_repository or MODEL_REPOSITORY,
+        host=args.host,
+        http_port=args.http_port,
+        grpc_port=args.grpc_port,
+        metrics_port=args.metrics_port,
+        state_dir_path=args.state_dir,
+        log_file=args.log_file,
+        binary=args.tritonserver,
+        ready_timeout=args.ready_timeout,
+    )
+    stopping = False
+
+    def _on_term(signum: int, frame: object) -> None:
+        nonlocal stopping
+        stopping = True
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGTERM, _on_term)
+    _log("starting triton", model_repository=str(server.model_repository), log=str(server.log_path))
+    try:
+        server.start()
+        _log(
+            "triton ready",
+            http=server.http_url,
+            grpc=server.grpc_url,
+            metrics=server.metrics_url,
+            faults=str(server.faults_dir),
+            log=str(server.log_path),
+        )
+        code = server.wait()
+        if not stopping:
+            raise CliError(f"Triton exited unexpectedly with code {code}; see its log: {server.log_path}")
+        return 0
+    except LauncherError as exc:
+        raise CliError(str(exc)) from None
+    except KeyboardInterrupt:
+        _log("stopping triton")
+        code = server.stop()
+        _log("triton stopped", exit_code=code)
+        return 0
+    finally:
+        if server.running():
+            server.stop()

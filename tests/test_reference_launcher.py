@@ -1,0 +1,118 @@
+"""The Triton launcher: its one-line errors, and a clean stop on SIGTERM."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import socket
+import subprocess
+from pathlib import Path
+
+import httpx
+import pytest
+
+from reference_server import catalog
+from reference_server.launcher import LauncherError, TritonServer
+from tests.fixtures.net import free_port, inferwatch_cmd, wait_http
+
+pytestmark = pytest.mark.integration
+
+
+def run_cli(
+    *args: str, env: dict[str, str] | None = None, timeout: float = 120
+) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        inferwatch_cmd(*args),
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env={**os.environ, **(env or {})},
+    )
+
+
+def ports() -> list[str]:
+    return [
+        "--http-port",
+        str(free_port()),
+        "--grpc-port",
+        str(free_port()),
+        "--metrics-port",
+        str(free_port()),
+    ]
+
+
+def one_error_line(proc: subprocess.CompletedProcess) -> str:
+    assert proc.returncode != 0
+    lines = [ln for ln in proc.stderr.splitlines() if ln.startswith("inferwatch: error:")]
+    assert len(lines) == 1, proc.stderr
+    assert "Traceback" not in proc.stderr
+    return lines[0]
+
+
+def test_missing_binary_is_one_clear_line(tmp_path: Path) -> None:
+    missing = tmp_path / "nope" / "tritonserver"
+    proc = run_cli("triton", "--state-dir", str(tmp_path), *ports(), "--tritonserver", str(missing))
+    line = one_error_line(proc)
+    assert str(missing) in line and "--tritonserver" in line
+    proc = run_cli(
+        "triton", "--state-dir", str(tmp_path), *ports(), env={"INFERWATCH_TRITONSERVER": str(missing)}
+    )
+    line = one_error_line(proc)
+    assert str(missing) in line and "INFERWATCH_TRITONSERVER" in line
+
+
+def test_taken_port_is_one_clear_line(tmp_path: Path) -> None:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        taken = s.getsockname()[1]
+        proc = run_cli(
+            "triton", "--state-dir", str(tmp_path), "--http-port", str(free_port()),
+            "--grpc-port", str(taken), "--metrics-port", str(free_port()),
+        )  # fmt: skip
+    line = one_error_line(proc)
+    assert f"127.0.0.1:{taken}" in line and "--grpc-port" in line
+    assert not (tmp_path / "triton" / "triton.log").exists(), "refused before starting anything"
+
+
+def test_bad_port_number_is_refused(tmp_path: Path) -> None:
+    proc = run_cli("triton", "--state-dir", str(tmp_path), "--http-port", "70000")
+    assert "--http-port" in one_error_line(proc)
+
+
+def test_a_model_that_fails_to_load_is_named(tmp_path: Path) -> None:
+    repo = tmp_path / "repo"
+    shutil.copytree(catalog.MODEL_REPOSITORY / "ranker", repo / "broken")
+    cfg = (repo / "broken" / "config.pbtxt").read_text()
+    cfg = cfg.replace('name: "ranker"', 'name: "broken"').replace('"ranker" }', '"no_such_kind" }')
+    (repo / "broken" / "config.pbtxt").write_text(cfg)
+    server = TritonServer(
+        repo, http_port=free_port(), grpc_port=free_port(), metrics_port=free_port(), state_dir_path=tmp_path
+    )
+    with pytest.raises(LauncherError) as err:
+        server.start()
+    msg = str(err.value)
+    assert "\n" not in msg
+    assert "model broken version" in msg and "failed to load" in msg and "no_such_kind" in msg
+    assert str(server.log_path) in msg
+    assert not server.running()
+
+
+def test_cli_serves_until_sigterm_then_stops_cleanly(tmp_path: Path, processes) -> None:
+    http, grpc, metrics = free_port(), free_port(), free_port()
+    proc = processes.start(
+        "triton",
+        inferwatch_cmd(
+            "triton", "--state-dir", str(tmp_path), "--http-port", str(http),
+            "--grpc-port", str(grpc), "--metrics-port", str(metrics),
+        ),
+    )  # fmt: skip
+    wait_http(f"http://127.0.0.1:{http}/v2/health/ready", timeout=180, proc=proc)
+    assert httpx.get(f"http://127.0.0.1:{metrics}/metrics").status_code == 200
+    assert processes.stop(proc, signal.SIGTERM) == 0
+    log = proc.log_path.read_text()
+    assert "triton ready" in log and "triton stopped" in log
+    assert (tmp_path / "triton" / "triton.log").is_file()
+    with pytest.raises(httpx.ConnectError):
+        httpx.get(f"http://127.0.0.1:{http}/v2/health/live", timeout=2)

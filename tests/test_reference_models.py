@@ -1,0 +1,162 @@
+"""The reference models on the real Triton: the numbers they serve, their batching, their errors."""
+
+from __future__ import annotations
+
+import filecmp
+from concurrent.futures import ThreadPoolExecutor
+
+import numpy as np
+import pytest
+import tritonclient.grpc as grpcclient
+import tritonclient.http as httpclient
+from tritonclient.utils import InferenceServerException
+
+from inferwatch import contract
+from reference_server import catalog, triton_metrics
+
+pytestmark = pytest.mark.integration
+
+
+def reference_weights(seed: int, shape: tuple[int, ...]) -> np.ndarray:
+    """The weight recipe documented in model.py, rebuilt here independently of the server."""
+    w = np.random.default_rng(seed).standard_normal(shape, dtype=np.float32)
+    return w * np.float32(1.0 / np.sqrt(shape[0]))
+
+
+def expected(model: str, version: str, x: np.ndarray) -> np.ndarray:
+    seed = catalog.WEIGHT_SEEDS[(model, version)]
+    if model.startswith("dense"):
+        return x @ reference_weights(seed, (catalog.DENSE_DIM, catalog.DENSE_DIM))
+    if version == "1":
+        return (x @ reference_weights(seed + 1, (catalog.RANKER_FEATURES, 1)))[..., 0]
+    h = np.tanh(x @ reference_weights(seed, (catalog.RANKER_FEATURES, catalog.RANKER_V2_HIDDEN)))
+    return (h @ reference_weights(seed + 1, (catalog.RANKER_V2_HIDDEN, 1)))[..., 0]
+
+
+def http_infer(url: str, model: str, x: np.ndarray, version: str = "") -> np.ndarray:
+    info = catalog.model_info(model)
+    client = httpclient.InferenceServerClient(url)
+    inp = httpclient.InferInput(info.input.name, list(x.shape), info.input.datatype)
+    inp.set_data_from_numpy(x)
+    return client.infer(model, [inp], model_version=version).as_numpy(info.output.name)
+
+
+def grpc_infer(url: str, model: str, x: np.ndarray, version: str = "") -> np.ndarray:
+    info = catalog.model_info(model)
+    client = grpcclient.InferenceServerClient(url)
+    inp = grpcclient.InferInput(info.input.name, list(x.shape), info.input.datatype)
+    inp.set_data_from_numpy(x)
+    return client.infer(model, [inp], model_version=version).as_numpy(info.output.name)
+
+
+def test_every_model_file_is_the_same_copy() -> None:
+    files = sorted(catalog.MODEL_REPOSITORY.glob("*/*/model.py"))
+    assert len(files) == sum(len(m.versions) for m in catalog.MODELS.values())
+    for f in files[1:]:
+        assert filecmp.cmp(files[0], f, shallow=False), f"{f} differs from {files[0]}"
+
+
+def test_catalog_matches_what_triton_serves(triton) -> None:
+    client = httpclient.InferenceServerClient(triton.http_url)
+    index = {(m["name"], m.get("version", "")) for m in client.get_model_repository_index()}
+    for info in catalog.MODELS.values():
+        for v in info.versions:
+            assert (info.name, v) in index
+            assert client.is_model_ready(info.name, v)
+        cfg = client.get_model_config(info.name)
+        assert cfg["max_batch_size"] == info.max_batch_size
+        assert ("dynamic_batching" in cfg) == info.dynamic_batching
+        for want, got in ((info.inputs, cfg["input"]), (info.outputs, cfg["output"])):
+            assert [(t.name, f"TYPE_{t.datatype}", list(t.shape)) for t in want] == [
+                (g["name"], g["data_type"], [int(d) for d in g["dims"]]) for g in got
+            ]
+        for (model, version), seed in catalog.WEIGHT_SEEDS.items():
+            if model == info.name:
+                key = "seed" if model.startswith("dense") else f"v{version}_seed"
+                assert cfg["parameters"][key]["string_value"] == str(seed)
+    assert catalog.model_info("dense_batched").max_batch_size >= 8
+    cfg = client.get_model_config("dense_batched")["dynamic_batching"]
+    assert [int(b) for b in cfg["preferred_batch_size"]] == [4, 8]
+    assert int(cfg["max_queue_delay_microseconds"]) == 1000
+
+
+@pytest.mark.parametrize(
+    ("model", "version"),
+    [("dense_batched", "1"), ("dense_unbatched", "1"), ("ranker", "1"), ("ranker", "2")],
+)
+def test_http_and_grpc_serve_the_numpy_reference(triton, model: str, version: str) -> None:
+    x = catalog.example_input(model, batch=3, seed=7)[catalog.model_info(model).input.name]
+    want = expected(model, version, x)
+    for infer, url in ((http_infer, triton.http_url), (grpc_infer, triton.grpc_url)):
+        got = infer(url, model, x, version)
+        assert got.shape == want.shape
+        np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4)
+
+
+def test_ranker_versions_differ_and_the_default_is_the_newest(triton) -> None:
+    x = catalog.example_input("ranker", seed=3)["FEATURES"]
+    v1 = http_infer(triton.http_url, "ranker", x, "1")
+    v2 = http_infer(triton.http_url, "ranker", x, "2")
+    assert not np.allclose(v1, v2)
+    np.testing.assert_allclose(http_infer(triton.http_url, "ranker", x), v2, rtol=1e-5)
+
+
+def _concurrent_load(url: str, model: str, requests: int, workers: int) -> None:
+    x = catalog.example_input(model, seed=1)["INPUT"]
+
+    def one(_: int) -> None:
+        http_infer(url, model, x)
+
+    with ThreadPoolExecutor(workers) as pool:
+        list(pool.map(one, range(requests)))
+
+
+def test_dynamic_batching_merges_requests_and_the_baseline_does_not(triton) -> None:
+    before = triton_metrics.scrape(triton.metrics_url)
+    for model in ("dense_batched", "dense_unbatched"):
+        _concurrent_load(triton.http_url, model, requests=96, workers=16)
+    after = triton_metrics.scrape(triton.metrics_url)
+    count_name, exec_name = contract.TRITON_INFERENCE_COUNT.name, contract.TRITON_EXEC_COUNT.name
+    count = triton_metrics.delta(before, after, count_name, "dense_batched")
+    execs = triton_metrics.delta(before, after, exec_name, "dense_batched")
+    assert count == 96
+    assert execs < count, f"dense_batched ran {execs} executions for {count} requests"
+    count = triton_metrics.delta(before, after, count_name, "dense_unbatched")
+    execs = triton_metrics.delta(before, after, exec_name, "dense_unbatched")
+    assert count == 96
+    assert execs == count
+
+
+@pytest.mark.parametrize("protocol", ["http", "grpc"])
+def test_bad_requests_get_tritons_error_and_the_server_stays_up(triton, protocol: str) -> None:
+    client_mod = httpclient if protocol == "http" else grpcclient
+    url = triton.http_url if protocol == "http" else triton.grpc_url
+    client = client_mod.InferenceServerClient(url)
+    good = np.zeros((1, catalog.DENSE_DIM), np.float32)
+
+    def infer(model: str, x: np.ndarray, datatype: str) -> None:
+        inp = client_mod.InferInput("INPUT", list(x.shape), datatype)
+        inp.set_data_from_numpy(x)
+        client.infer(model, [inp])
+
+    cases = {
+        "unknown model": (lambda: infer("no_such_model", good, "FP32"), ("404", "StatusCode.NOT_FOUND")),
+        "wrong shape": (
+            lambda: infer("dense_batched", np.zeros((1, 17), np.float32), "FP32"),
+            ("400", "StatusCode.INVALID_ARGUMENT"),
+        ),
+        "wrong dtype": (
+            lambda: infer("dense_batched", good.astype(np.int32), "INT32"),
+            ("400", "StatusCode.INVALID_ARGUMENT"),
+        ),
+    }
+    for what, (call, statuses) in cases.items():
+        with pytest.raises(InferenceServerException) as err:
+            call()
+        status = str(err.value.status())
+        assert status == statuses[protocol == "grpc"], f"{what}: {status} {err.value.message()}"
+        assert err.value.message(), what
+    assert client.is_server_live() and client.is_server_ready()
+    np.testing.assert_allclose(
+        http_infer(triton.http_url, "dense_batched", good), np.zeros((1, catalog.DENSE_DIM)), atol=0
+    )
