@@ -18,6 +18,7 @@ from inferwatch import __version__
 # Components add themselves here, one line each, when their commands work.
 COMMAND_MODULES = [
     "inferwatch.spec_cli",
+    "sidecar.main",
     "reference_server.cli",
     "dashboards.cli",
     "exporters.cli",

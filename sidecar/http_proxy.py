@@ -1,0 +1,922 @@
+"""The HTTP proxy: a lean asyncio protocol-level reverse proxy in front of one model server.
+
+Per client connection one ``ClientConn`` (httptools request parser); per request one
+``Exchange`` (the request's only state object); per upstream connection one
+``UpstreamConn`` (httptools response parser) kept alive in a LIFO pool. Bodies stream
+through chunk by chunk, never buffered whole: each read from one side becomes one write
+to the other (head and first body bytes joined). Chunked bodies are re-framed chunk for
+chunk, so the bytes of a body (JSON or Triton's binary tensor extension) arrive unchanged.
+
+Hop-by-hop headers (RFC 9110 7.6.1: Connection and what it names, Keep-Alive,
+Proxy-Connection, TE, Transfer-Encoding, Upgrade, Trailer, Proxy-Authorization,
+Proxy-Authenticate) are dropped; ``Expect: 100-continue`` is answered here; ``Via`` is
+added. The model and version come from ``/v2/models/{name}[/versions/{v}]/...`` or a
+``--route`` pattern.
+
+The sidecar's own answers, each counted like a proxied one:
+400 malformed HTTP (then close), 408 a client too slow to send its head or body,
+413 body over ``--max-body-bytes``, 431 head over ``--max-header-bytes``,
+502 the upstream broke the exchange, 503 the upstream refused or did not accept the
+connection (and ``upstream_up`` 0 until a connection succeeds again), 504 no complete
+answer within ``--request-timeout``, and one fixed 503 overload answer past
+``--max-in-flight`` / ``--max-connections``. A client that goes away cancels its upstream
+request (counted as 499, client_error). Once an answer has started, a failure can only
+close the connection.
+
+Backpressure: a client's reading pauses while the upstream connection's write buffer is
+above the high-water mark (or while it connects, or while a pipelined request waits), and
+an upstream's reading pauses while the client is not draining its answer.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections import deque
+from http import HTTPStatus
+from typing import TYPE_CHECKING
+from urllib.parse import unquote
+
+import httptools
+
+from inferwatch import contract
+
+if TYPE_CHECKING:
+    from sidecar.config import SidecarConfig
+    from sidecar.telemetry import Request, Telemetry
+
+log = logging.getLogger("inferwatch.sidecar.http")
+
+PROTOCOL = contract.PROTOCOL_HTTP
+HOP_BY_HOP = frozenset(
+    {
+        b"connection",
+        b"keep-alive",
+        b"proxy-connection",
+        b"te",
+        b"transfer-encoding",
+        b"upgrade",
+        b"trailer",
+        b"proxy-authorization",
+        b"proxy-authenticate",
+        b"expect",
+    }
+)
+VIA = b"via: 1.1 inferwatch\r\n"
+CONTINUE = b"HTTP/1.1 100 Continue\r\n\r\n"
+HIGH_WATER = 256 * 1024  # bytes buffered towards a connecting upstream before the client pauses
+REPLAY_LIMIT = 64 * 1024  # a request up to this size is retried once on a stale pooled connection
+SWEEP_INTERVAL = 0.25
+
+# Built once at import: status lines and status strings for every code.
+_PHRASES = {s.value: s.phrase for s in HTTPStatus}
+STATUS_LINE = {
+    v: {code: f"HTTP/{v} {code} {_PHRASES.get(code, 'Status')}\r\n".encode() for code in range(100, 1000)}
+    for v in ("1.1", "1.0")
+}
+STATUS_STR = tuple(str(i) for i in range(1000))
+
+_ERRORS = {
+    400: "malformed HTTP request",
+    408: "request timeout: the client sent too slowly",
+    413: "request body too large",
+    431: "request header fields too large",
+    499: "client closed the request",
+    502: "bad gateway: the model server broke the exchange",
+    503: "service unavailable: the model server cannot be reached",
+    504: "gateway timeout: the model server did not answer in time",
+}
+
+
+def _error_bytes(status: int, message: str, close: bool) -> bytes:
+    body = b'{"error":"' + message.encode() + b'"}'
+    head = STATUS_LINE["1.1"][status] + b"content-type: application/json\r\ncontent-length: %d\r\n" % len(
+        body
+    )
+    return head + (b"connection: close\r\n" if close else b"") + VIA + b"\r\n" + body
+
+
+ERROR_RESPONSES = {(s, c): _error_bytes(s, m, c) for s, m in _ERRORS.items() for c in (True, False)}
+OVERLOAD_RESPONSE = _error_bytes(503, "overloaded: the sidecar is at its request limit", True)
+OVERLOAD_BODY_LEN = len(b'{"error":"overloaded: the sidecar is at its request limit"}')
+
+_IDLE, _HEAD, _BODY, _WAIT = 0, 1, 2, 3  # what a client connection's deadline guards
+
+
+class _Reject(Exception):
+    """Raised inside a parser callback to answer ``status`` and close."""
+
+    def __init__(self, status: int) -> None:
+        self.status = status
+
+
+# ------------------------------------------------------------------------------------------
+# Labels from the URL
+# ------------------------------------------------------------------------------------------
+_V2 = b"/v2/models/"
+
+
+def _text(raw: bytes) -> str:
+    text = raw.decode("utf-8", "replace")
+    return unquote(text) if "%" in text else text
+
+
+def labels_from_path(path: bytes, routes: tuple = ()) -> tuple[str, str, str]:
+    """(model, version, route template) for a request path (query removed).
+
+    KServe v2: ``/v2/models/{name}[/versions/{v}]/...``; otherwise the first ``--route``
+    regex that matches; otherwise no model ("").
+    """
+    if path.startswith(_V2):
+        parts = path[len(_V2) :].split(b"/", 3)
+        name = parts[0]
+        if not name or (name == b"stats" and len(parts) == 1):
+            return "", "", "/v2/models/" + _text(name)
+        if len(parts) >= 3 and parts[1] == b"versions":
+            rest = "/" + _text(parts[3]) if len(parts) > 3 else ""
+            return _text(name), _text(parts[2]), "/v2/models/{model}/versions/{version}" + rest
+        rest = "/" + "/".join(_text(p) for p in parts[1:]) if len(parts) > 1 else ""
+        return _text(name), "", "/v2/models/{model}" + rest
+    if routes:
+        text = _text(path)
+        for route in routes:
+            m = route.pattern.search(text)
+            if m:
+                groups = m.groupdict()
+                return groups.get("model") or "", groups.get("version") or "", route.pattern.pattern
+    return "", "", ""
+
+
+# ------------------------------------------------------------------------------------------
+# One request
+# ------------------------------------------------------------------------------------------
+class Exchange:
+    """One request and its answer: the only per-request state."""
+
+    __slots__ = (
+        "chunked_req",
+        "client",
+        "close_after",
+        "deadline",
+        "done",
+        "head_only",
+        "out",
+        "pending",
+        "pending_size",
+        "replay",
+        "req_bytes",
+        "req_complete",
+        "resp_bytes",
+        "resp_chunked",
+        "resp_done",
+        "resp_eof",
+        "resp_started",
+        "retried",
+        "status",
+        "tel",
+        "upstream",
+        "version10",
+    )
+
+    def __init__(self, client: ClientConn, tel: Request, head: bytes, chunked: bool, head_only: bool) -> None:
+        self.client = client
+        self.tel = tel
+        self.pending: list[bytes] = [head]
+        self.pending_size = len(head)
+        self.replay: list[bytes] | None = []
+        self.chunked_req = chunked
+        self.head_only = head_only
+        self.version10 = False
+        self.upstream: UpstreamConn | None = None
+        self.out: list[bytes] = []
+        self.req_bytes = 0
+        self.resp_bytes = 0
+        self.status = 0
+        self.req_complete = False
+        self.resp_started = False
+        self.resp_done = False
+        self.resp_chunked = False
+        self.resp_eof = False
+        self.retried = False
+        self.close_after = False
+        self.done = False
+        self.deadline = 0.0
+
+    # -- towards the upstream
+    def start(self) -> None:
+        proxy = self.client.proxy
+        self.deadline = proxy.loop.time() + proxy.config.request_timeout
+        conn = proxy.pool_get()
+        if conn is not None:
+            self.attach(conn)
+        else:
+            proxy.loop.create_task(self.connect())
+
+    async def connect(self) -> None:
+        proxy = self.client.proxy
+        try:
+            conn = await proxy.connect()
+        except (OSError, TimeoutError) as exc:
+            proxy.upstream_failed(exc)
+            self.fail(503)
+            return
+        if self.done:  # the client went away meanwhile
+            proxy.pool_put(conn)
+            return
+        self.attach(conn)
+        self.flush()
+
+    def attach(self, conn: UpstreamConn) -> None:
+        self.upstream = conn
+        conn.ex = self
+        if self.client.write_paused:
+            conn.transport.pause_reading()
+
+    def flush(self) -> None:
+        """Send what the client sent since the last flush, in one write."""
+        up = self.upstream
+        if up is None or not self.pending:
+            return
+        data = self.pending[0] if len(self.pending) == 1 else b"".join(self.pending)
+        self.pending.clear()
+        self.pending_size = 0
+        up.transport.write(data)
+        replay = self.replay
+        if replay is not None:
+            if not up.reused or sum(map(len, replay)) + len(data) > REPLAY_LIMIT:
+                self.replay = None
+            else:
+                replay.append(data)
+
+    def retry(self) -> None:
+        """A pooled connection died before answering: resend the request once on a new one."""
+        assert self.replay is not None
+        self.retried = True
+        self.pending[:0] = self.replay
+        self.replay = None
+        self.upstream = None
+        self.client.proxy.loop.create_task(self.connect())
+
+    # -- towards the client
+    def response_head(self, status: int, headers: list[tuple[bytes, bytes]], up_keepalive: bool) -> None:
+        self.status = status
+        self.resp_started = True
+        client = self.client
+        parts = [STATUS_LINE["1.0" if self.version10 else "1.1"][status]]
+        length = False
+        chunked = False
+        drop: set[bytes] | None = None
+        for name, value in headers:
+            ln = name.lower()
+            if ln in HOP_BY_HOP:
+                if ln == b"transfer-encoding":
+                    chunked = True
+                elif ln == b"connection":
+                    drop = {t.strip() for t in value.lower().split(b",")}
+                continue
+            if ln == b"content-length":
+                length = True
+            parts.append(name + b": " + value + b"\r\n")
+        if drop:
+            parts = [p for p in parts if p.split(b":", 1)[0].lower() not in drop]
+        bodiless = self.head_only or status in (204, 304) or status < 200
+        if not length and not bodiless and (chunked or not up_keepalive):
+            if self.version10:
+                self.close_after = True  # an HTTP/1.0 client reads to close
+            else:
+                parts.append(b"transfer-encoding: chunked\r\n")
+                self.resp_chunked = True
+            self.resp_eof = not chunked
+        if self.close_after or not client.keep_alive:
+            parts.append(b"connection: close\r\n")
+        elif self.version10:
+            parts.append(b"connection: keep-alive\r\n")
+        parts.append(VIA)
+        parts.append(b"\r\n")
+        self.out.append(b"".join(parts))
+
+    def response_body(self, body: bytes) -> None:
+        self.resp_bytes += len(body)
+        if self.resp_chunked:
+            self.out.append(b"%x\r\n%b\r\n" % (len(body), body))
+        else:
+            self.out.append(body)
+
+    def response_end(self) -> None:
+        if self.resp_chunked:
+            self.out.append(b"0\r\n\r\n")
+        self.resp_done = True
+
+    def flush_out(self) -> None:
+        out = self.out
+        if out:
+            self.client.transport.write(out[0] if len(out) == 1 else b"".join(out))
+            out.clear()
+
+    # -- endings: each calls _close exactly once
+    def finish(self, reuse_upstream: bool) -> None:
+        """The answer is complete and written."""
+        up = self.upstream
+        self.upstream = None
+        if up is not None:
+            up.ex = None
+            if reuse_upstream and self.req_complete:
+                self.client.proxy.pool_put(up)
+            else:
+                up.transport.close()
+        if not self.req_complete:
+            self.close_after = True  # the rest of the body would be unread: close
+        self._close(STATUS_STR[self.status], contract.OUTCOME_SUCCESS if self.status < 400 else None)
+
+    def fail(self, status: int) -> None:
+        """The sidecar answers ``status`` itself (or, with an answer under way, cuts it)."""
+        if self.done:
+            return
+        up = self.upstream
+        self.upstream = None
+        if up is not None:
+            up.ex = None
+            up.transport.abort()
+        client = self.client
+        if self.resp_started:
+            self.close_after = True
+            self.out.clear()
+            client.transport.abort()
+        else:
+            if not self.req_complete or status in (400, 408, 413, 431):
+                self.close_after = True
+            close = self.close_after or not client.keep_alive
+            client.transport.write(ERROR_RESPONSES[(status, close)])
+        self.status = status
+        self._close(STATUS_STR[status], None)
+
+    def cancel(self) -> None:
+        """The client went away: drop the upstream request."""
+        if self.done:
+            return
+        up = self.upstream
+        self.upstream = None
+        if up is not None:
+            up.ex = None
+            up.transport.abort()
+        self.done = True
+        self.client.proxy.end(self, "499", contract.OUTCOME_CLIENT_ERROR)
+
+    def _close(self, code: str, outcome: str | None) -> None:
+        self.done = True
+        client = self.client
+        client.proxy.end(self, code, outcome or client.proxy.telemetry.outcome_for_http(int(code)))
+        client.exchange_done(self)
+
+
+# ------------------------------------------------------------------------------------------
+# Upstream connections
+# ------------------------------------------------------------------------------------------
+class UpstreamConn(asyncio.Protocol):
+    __slots__ = (
+        "closed",
+        "ex",
+        "got_bytes",
+        "headers",
+        "idle_since",
+        "parser",
+        "proxy",
+        "reused",
+        "transport",
+    )
+
+    def __init__(self, proxy: HttpProxy) -> None:
+        self.proxy = proxy
+        self.transport: asyncio.Transport = None  # type: ignore[assignment]
+        self.parser = httptools.HttpResponseParser(self)
+        self.ex: Exchange | None = None
+        self.headers: list[tuple[bytes, bytes]] = []
+        self.reused = False
+        self.closed = False
+        self.got_bytes = False
+        self.idle_since = 0.0
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = transport  # type: ignore[assignment]
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.closed = True
+        ex = self.ex
+        self.ex = None
+        if ex is None or ex.done:
+            return
+        ex.upstream = None
+        if not self.got_bytes and self.reused and ex.replay is not None and not ex.retried:
+            ex.retry()
+        elif ex.resp_started and ex.resp_eof:
+            ex.response_end()  # an answer delimited by the connection's end
+            ex.flush_out()
+            ex.finish(False)
+        else:
+            ex.fail(502)
+
+    def data_received(self, data: bytes) -> None:
+        ex = self.ex
+        if ex is None:  # bytes nobody asked for: this connection cannot be trusted
+            self.transport.abort()
+            return
+        self.got_bytes = True
+        try:
+            self.parser.feed_data(data)
+        except httptools.HttpParserError:
+            ex.fail(502)
+            return
+        ex.flush_out()
+        if ex.resp_done and not ex.done:
+            ex.finish(self.parser.should_keep_alive() and not ex.head_only)
+
+    def eof_received(self) -> bool:
+        return False
+
+    def pause_writing(self) -> None:
+        ex = self.ex
+        if ex is not None:
+            ex.client.upstream_blocked = True
+            ex.client.update_reading()
+
+    def resume_writing(self) -> None:
+        ex = self.ex
+        if ex is not None:
+            ex.client.upstream_blocked = False
+            ex.client.update_reading()
+
+    # httptools callbacks
+    def on_message_begin(self) -> None:
+        self.headers = []
+
+    def on_header(self, name: bytes, value: bytes) -> None:
+        self.headers.append((name, value))
+
+    def on_headers_complete(self) -> None:
+        ex = self.ex
+        status = self.parser.get_status_code()
+        if ex is None or status < 200:  # 1xx interim answers are not forwarded
+            return
+        ex.response_head(status, self.headers, self.parser.should_keep_alive())
+        if ex.head_only:
+            ex.response_end()
+
+    def on_body(self, body: bytes) -> None:
+        ex = self.ex
+        if ex is not None and not ex.head_only:
+            ex.response_body(body)
+
+    def on_message_complete(self) -> None:
+        ex = self.ex
+        if ex is not None and ex.resp_started and not ex.resp_done:
+            ex.response_end()
+
+
+# ------------------------------------------------------------------------------------------
+# Client connections
+# ------------------------------------------------------------------------------------------
+class ClientConn(asyncio.Protocol):
+    def __init__(self, proxy: HttpProxy) -> None:
+        self.proxy = proxy
+        self.transport: asyncio.Transport = None  # type: ignore[assignment]
+        self.parser = httptools.HttpRequestParser(self)
+        self.exchanges: deque[Exchange] = deque()
+        self.parsing: Exchange | None = None
+        self.headers: list[tuple[bytes, bytes]] = []
+        self.url = b""
+        self.head_size = 0
+        self.raw_head = 0
+        self.in_head = False
+        self.keep_alive = True
+        self.msg_start = 0.0
+        self.deadline = 0.0
+        self.dl_kind = _IDLE
+        self.reading_paused = False
+        self.write_paused = False
+        self.upstream_blocked = False
+        self.closed = False
+
+    # -- asyncio
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = transport  # type: ignore[assignment]
+        proxy = self.proxy
+        if len(proxy.conns) >= proxy.config.max_connections or proxy.draining:
+            transport.write(OVERLOAD_RESPONSE)  # type: ignore[attr-defined]
+            transport.close()
+            self.closed = True
+            return
+        proxy.conns.add(self)
+        self.deadline = proxy.loop.time() + proxy.config.header_timeout
+        self.dl_kind = _IDLE
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.closed = True
+        self.proxy.conns.discard(self)
+        while self.exchanges:
+            self.exchanges.popleft().cancel()
+        self.parsing = None
+
+    def data_received(self, data: bytes) -> None:
+        if self.closed:
+            return
+        if self.dl_kind == _IDLE:
+            self.dl_kind = _HEAD
+            self.deadline = self.proxy.loop.time() + self.proxy.config.header_timeout
+        was_in_head = self.in_head
+        try:
+            self.parser.feed_data(data)
+        except httptools.HttpParserCallbackError as exc:
+            cause = exc.__context__
+            if isinstance(cause, _Reject):
+                self.reject(cause.status)
+                return
+            log.exception("internal error in the HTTP proxy", exc_info=cause)
+            self.reject(502)
+            return
+        except httptools.HttpParserUpgrade:
+            self.keep_alive = False  # upgrades are not proxied: answer this request, then close
+        except httptools.HttpParserError:
+            self.reject(400)
+            return
+        if self.in_head and was_in_head:
+            # A head still incomplete after this read: httptools holds it, so bound it here.
+            self.raw_head += len(data)
+            if self.raw_head > self.proxy.config.max_header_bytes:
+                self.reject(431)
+                return
+        if self.exchanges:
+            ex = self.exchanges[0]
+            if ex.upstream is not None:
+                ex.flush()
+            self.update_reading()
+
+    def pause_writing(self) -> None:
+        self.write_paused = True
+        for ex in self.exchanges:
+            if ex.upstream is not None:
+                ex.upstream.transport.pause_reading()
+
+    def resume_writing(self) -> None:
+        self.write_paused = False
+        for ex in self.exchanges:
+            if ex.upstream is not None:
+                ex.upstream.transport.resume_reading()
+
+    def update_reading(self) -> None:
+        """Pause reading while the upstream is not draining what this client sends."""
+        ex = self.exchanges[0] if self.exchanges else None
+        pause = self.upstream_blocked or len(self.exchanges) > 1
+        if ex is not None and ex.upstream is None and ex.pending_size > HIGH_WATER:
+            pause = True
+        if pause != self.reading_paused and not self.closed:
+            self.reading_paused = pause
+            if pause:
+                self.transport.pause_reading()
+            else:
+                self.transport.resume_reading()
+
+    # -- httptools callbacks
+    def on_message_begin(self) -> None:
+        self.in_head = True
+        self.headers = []
+        self.url = b""
+        self.head_size = 0
+        self.raw_head = 0
+        self.msg_start = time.perf_counter()
+        if self.dl_kind == _IDLE:
+            self.dl_kind = _HEAD
+            self.deadline = self.proxy.loop.time() + self.proxy.config.header_timeout
+
+    def on_url(self, url: bytes) -> None:
+        self.url += url
+        if len(self.url) > self.proxy.config.max_header_bytes:
+            raise _Reject(431)
+
+    def on_header(self, name: bytes, value: bytes) -> None:
+        self.headers.append((name, value))
+        self.head_size += len(name) + len(value) + 4
+        if self.head_size > self.proxy.config.max_header_bytes:
+            raise _Reject(431)
+
+    def on_headers_complete(self) -> None:
+        self.in_head = False
+        proxy = self.proxy
+        config = proxy.config
+        parser = self.parser
+        method = parser.get_method()
+        url = self.url
+        path = url.split(b"?", 1)[0] if b"?" in url else url
+        if not path.startswith(b"/"):  # absolute-form target
+            try:
+                path = httptools.parse_url(url).path or b"/"
+            except httptools.HttpParserInvalidURLError:
+                raise _Reject(400) from None
+        model, version, route = proxy.route(path)
+        keep_alive = parser.should_keep_alive() and not proxy.draining
+        if not keep_alive:
+            self.keep_alive = False
+
+        tp = None
+        chunked = False
+        expect = False
+        has_host = False
+        length = 0
+        drop: set[bytes] | None = None
+        tracing = proxy.telemetry.tracer is not None
+        lines = [method, b" ", url, b" HTTP/1.1\r\n"]
+        for name, value in self.headers:
+            ln = name.lower()
+            if ln in HOP_BY_HOP:
+                if ln == b"transfer-encoding":
+                    chunked = True
+                elif ln == b"expect":
+                    expect = value.lower() == b"100-continue"
+                elif ln == b"connection":
+                    drop = {t.strip() for t in value.lower().split(b",")}
+                continue
+            if ln == b"content-length":
+                length = int(value)
+            elif ln == b"traceparent":
+                tp = value
+                if tracing:
+                    continue
+            elif ln == b"host":
+                has_host = True
+            lines.append(name + b": " + value + b"\r\n")
+        if drop:
+            lines[4:] = [p for p in lines[4:] if p.split(b":", 1)[0].lower() not in drop]
+
+        if tracing:
+            tel = proxy.telemetry.begin(
+                model,
+                version,
+                PROTOCOL,
+                tp.decode("latin-1") if tp else None,
+                f"{method.decode()} {route}" if route else method.decode(),
+                {
+                    "http.request.method": method.decode(),
+                    "url.path": path.decode("utf-8", "replace"),
+                    "url.scheme": "http",
+                    "http.route": route,
+                    "network.protocol.version": parser.get_http_version(),
+                },
+            )
+            if tel.traceparent:
+                lines.append(b"traceparent: " + tel.traceparent.encode() + b"\r\n")
+        else:
+            tel = proxy.telemetry.begin(model, version, PROTOCOL)
+        tel.start = self.msg_start
+        if chunked:
+            lines.append(b"transfer-encoding: chunked\r\n")
+        if not has_host:
+            lines.append(b"host: %s\r\n" % proxy.host_header)
+        lines.append(VIA)
+        lines.append(b"\r\n")
+        ex = Exchange(self, tel, b"".join(lines), chunked, method == b"HEAD")
+        ex.version10 = parser.get_http_version() == "1.0"
+        self.parsing = ex
+        self.exchanges.append(ex)
+        proxy.in_flight += 1
+
+        if length > config.max_body_bytes:
+            raise _Reject(413)
+        if proxy.in_flight > config.max_in_flight:
+            self.exchanges.pop()
+            self.parsing = None
+            ex.done = True
+            proxy.end(ex, "503", contract.OUTCOME_SERVER_ERROR)
+            self.keep_alive = False
+            self.transport.write(OVERLOAD_RESPONSE)
+            self.transport.close()
+            self.closed = True
+            return
+        if chunked or length:
+            self.dl_kind = _BODY
+            self.deadline = proxy.loop.time() + config.body_timeout
+        else:
+            self.dl_kind = _WAIT
+        if expect:
+            self.transport.write(CONTINUE)
+        if len(self.exchanges) == 1:
+            ex.start()
+
+    def on_body(self, body: bytes) -> None:
+        ex = self.parsing
+        if ex is None:
+            return
+        n = len(body)
+        ex.req_bytes += n
+        if ex.req_bytes > self.proxy.config.max_body_bytes:
+            raise _Reject(413)
+        if ex.chunked_req:
+            ex.pending.append(b"%x\r\n%b\r\n" % (n, body))
+        else:
+            ex.pending.append(body)
+        ex.pending_size += n
+        self.deadline = self.proxy.loop.time() + self.proxy.config.body_timeout
+
+    def on_message_complete(self) -> None:
+        ex = self.parsing
+        self.parsing = None
+        if ex is None:
+            return
+        if ex.chunked_req:
+            ex.pending.append(b"0\r\n\r\n")
+        ex.req_complete = True
+        if self.dl_kind == _BODY:
+            self.dl_kind = _WAIT
+
+    # -- endings
+    def exchange_done(self, ex: Exchange) -> None:
+        """``ex`` has answered (or failed): close or move on to the next request."""
+        if self.exchanges and self.exchanges[0] is ex:
+            self.exchanges.popleft()
+        else:
+            try:
+                self.exchanges.remove(ex)
+            except ValueError:
+                pass
+        if self.closed:
+            return
+        if ex.close_after or not self.keep_alive:
+            self.closed = True
+            self.proxy.conns.discard(self)
+            while self.exchanges:
+                self.exchanges.popleft().cancel()
+            self.transport.close()
+            return
+        if self.exchanges:
+            nxt = self.exchanges[0]
+            nxt.start()
+            nxt.flush()
+        elif self.dl_kind == _WAIT:
+            self.dl_kind = _IDLE
+            self.deadline = self.proxy.loop.time() + self.proxy.config.keepalive_timeout
+        self.update_reading()
+
+    def reject(self, status: int) -> None:
+        """Answer ``status`` (400, 408, 413, 431, 502) and close the connection."""
+        if self.closed:
+            return
+        self.keep_alive = False
+        ex = self.parsing if self.parsing is not None else (self.exchanges[0] if self.exchanges else None)
+        if ex is not None and not ex.done:
+            if ex is not self.exchanges[0]:  # a pipelined request behind another: just close
+                self.transport.abort()
+                return
+            ex.fail(status)
+            return
+        # No request object yet (bad or oversized head): count it without a model.
+        if status != 408 or self.head_size or self.url or self.headers:
+            tel = self.proxy.telemetry.begin("", "", PROTOCOL)
+            self.proxy.telemetry.end(tel, STATUS_STR[status], self.proxy.telemetry.outcome_for_http(status))
+            self.transport.write(ERROR_RESPONSES[(status, True)])
+        self.closed = True
+        self.proxy.conns.discard(self)
+        self.transport.close()
+
+    def sweep(self, now: float) -> None:
+        """Enforce the slow-client and keep-alive deadlines and the request timeout."""
+        if self.exchanges:
+            ex = self.exchanges[0]
+            if now > ex.deadline and ex.deadline:
+                ex.fail(504)
+                return
+        if self.dl_kind == _WAIT or now <= self.deadline:
+            return
+        if self.dl_kind == _IDLE:
+            self.closed = True
+            self.proxy.conns.discard(self)
+            self.transport.close()
+        else:
+            self.reject(408)
+
+
+# ------------------------------------------------------------------------------------------
+# The server
+# ------------------------------------------------------------------------------------------
+class HttpProxy:
+    def __init__(self, config: SidecarConfig, telemetry: Telemetry) -> None:
+        from sidecar.telemetry import UPSTREAM_HTTP
+
+        self.config = config
+        self.telemetry = telemetry
+        self.loop = asyncio.get_running_loop()
+        self.upstream_host, self.upstream_port = config.upstream_http
+        self.host_header = f"{self.upstream_host}:{self.upstream_port}".encode()
+        self.upstream_name = UPSTREAM_HTTP
+        self.upstream_up: bool | None = None
+        self.pool: list[UpstreamConn] = []
+        self.conns: set[ClientConn] = set()
+        self.in_flight = 0
+        self.draining = False
+        self.server: asyncio.AbstractServer | None = None
+        self._routes: dict[bytes, tuple[str, str, str]] = {}
+        self._sweeper: asyncio.Task | None = None
+        self.port = 0
+
+    async def start(self) -> None:
+        self.server = await self.loop.create_server(
+            lambda: ClientConn(self),
+            self.config.host,
+            self.config.http_port,
+            backlog=1024,
+            reuse_address=True,
+        )
+        self.port = self.server.sockets[0].getsockname()[1]
+        self._sweeper = self.loop.create_task(self._sweep())
+
+    def route(self, path: bytes) -> tuple[str, str, str]:
+        hit = self._routes.get(path)
+        if hit is None:
+            hit = labels_from_path(path, self.config.routes)
+            if len(self._routes) >= 4096:  # bounded: a flood of distinct URLs only costs re-parsing
+                self._routes.clear()
+            self._routes[path] = hit
+        return hit
+
+    def end(self, ex: Exchange, code: str, outcome: str) -> None:
+        self.in_flight -= 1
+        self.telemetry.end(ex.tel, code, outcome, ex.req_bytes, ex.resp_bytes)
+
+    # -- upstream pool
+    def pool_get(self) -> UpstreamConn | None:
+        pool = self.pool
+        while pool:
+            conn = pool.pop()
+            if not conn.closed and not conn.transport.is_closing():
+                conn.reused = True
+                conn.got_bytes = False
+                return conn
+        return None
+
+    def pool_put(self, conn: UpstreamConn) -> None:
+        if conn.closed or self.draining or len(self.pool) >= self.config.upstream_pool_size:
+            conn.transport.close()
+            return
+        conn.transport.resume_reading()
+        self.pool.append(conn)
+
+    async def connect(self) -> UpstreamConn:
+        _, conn = await asyncio.wait_for(
+            self.loop.create_connection(lambda: UpstreamConn(self), self.upstream_host, self.upstream_port),
+            self.config.connect_timeout,
+        )
+        if self.upstream_up is not True:
+            self.upstream_up = True
+            self.telemetry.set_upstream_up(self.upstream_name, True)
+        return conn  # type: ignore[return-value]
+
+    def upstream_failed(self, exc: BaseException) -> None:
+        if self.upstream_up is not False:
+            self.upstream_up = False
+            self.telemetry.set_upstream_up(self.upstream_name, False)
+            log.warning(
+                "upstream connect failed",
+                extra={
+                    "fields": {
+                        "upstream": f"{self.upstream_host}:{self.upstream_port}",
+                        "error": str(exc) or type(exc).__name__,
+                    }
+                },
+            )
+
+    async def _sweep(self) -> None:
+        while True:
+            await asyncio.sleep(SWEEP_INTERVAL)
+            now = self.loop.time()
+            for conn in list(self.conns):
+                try:
+                    conn.sweep(now)
+                except Exception:  # one connection's trouble must not stop the sweeper
+                    log.exception("sweep failed")
+
+    async def stop(self, grace: float) -> None:
+        """Stop accepting, close idle connections, let in-flight requests finish (at most ``grace`` s)."""
+        self.draining = True
+        if self.server is not None:
+            self.server.close()
+        for conn in list(self.conns):
+            conn.keep_alive = False
+            if not conn.exchanges and not conn.closed and conn.dl_kind == _IDLE:
+                conn.closed = True
+                self.conns.discard(conn)
+                conn.transport.close()
+        deadline = self.loop.time() + grace
+        while self.conns and self.loop.time() < deadline:
+            await asyncio.sleep(0.05)
+        for conn in list(self.conns):
+            conn.transport.abort()
+        if self._sweeper is not None:
+            self._sweeper.cancel()
+        for up in self.pool:
+            up.transport.close()
+        self.pool.clear()
+
+
+async def serve(config: SidecarConfig, telemetry: Telemetry) -> HttpProxy:
+    """Start the HTTP proxy on ``config.host:config.http_port``; returns it listening."""
+    proxy = HttpProxy(config, telemetry)
+    await proxy.start()
+    return proxy

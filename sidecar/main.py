@@ -1,0 +1,355 @@
+"""``inferwatch sidecar``: parse the configuration, build the parts, run until SIGTERM.
+
+Parts: one ``Telemetry`` (sidecar.telemetry) on its own registry, the metrics server
+(``/metrics`` in the OpenMetrics exposition when the scraper asks for it, so exemplars
+show; ``/healthz``; ``/readyz``) on a thread, the HTTP proxy (``sidecar.http_proxy.serve``)
+and, when ``sidecar.grpc_proxy`` exists and ``--grpc-port`` is not 0, the gRPC proxy
+(``sidecar.grpc_proxy.serve``). Both proxies share the contract::
+
+    server = await serve(config, telemetry)   # listening when it returns
+    await server.stop(grace)                  # stop accepting, drain in-flight up to grace s
+
+A background task reads the upstream's repository index (``POST /v2/repository/index``)
+every ``--model-refresh-interval`` seconds, and soon after a request names a model the
+sidecar does not know, so the ``model`` label follows what the upstream serves.
+
+SIGTERM/SIGINT: ``/readyz`` turns 503, the proxies stop accepting and drain what is in
+flight (at most ``--drain-timeout``), spans are flushed, the process exits 0.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import importlib.util
+import json
+import logging
+import signal
+import sys
+import threading
+import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any
+
+from inferwatch.cli import CliError
+from sidecar import config as cfg
+
+log = logging.getLogger("inferwatch.sidecar")
+
+# Wait at least this long between two index reads triggered by unknown model names.
+MISS_REFRESH_MIN_INTERVAL = 5.0
+# While the upstream is down, probe it this often.
+DOWN_PROBE_INTERVAL = 1.0
+
+
+class JsonFormatter(logging.Formatter):
+    """One JSON object per line: ts, level, logger, msg and the record's ``fields``."""
+
+    def format(self, record: logging.LogRecord) -> str:
+        out: dict[str, Any] = {
+            "ts": time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(record.created))
+            + f".{int(record.msecs):03d}Z",
+            "level": record.levelname.lower(),
+            "logger": record.name,
+            "msg": record.getMessage(),
+        }
+        fields = getattr(record, "fields", None)
+        if fields:
+            out.update(fields)
+        if record.exc_info:
+            out["exc"] = self.formatException(record.exc_info)
+        return json.dumps(out, default=str)
+
+
+def setup_logging(level: str) -> None:
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(JsonFormatter())
+    root = logging.getLogger("inferwatch")
+    root.handlers[:] = [handler]
+    root.setLevel(level.upper())
+    root.propagate = False
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    parser = subparsers.add_parser(
+        "sidecar",
+        help="run the request-metrics proxy in front of a model server",
+        description=(
+            "A transparent HTTP and gRPC proxy for a model server (Triton or any KServe v2 server). "
+            "It labels each request with its model and version and exports RED metrics, latency "
+            "histograms with trace exemplars and OpenTelemetry spans, without touching payloads. "
+            "Every flag can also be set by its INFERWATCH_* environment variable."
+        ),
+    )
+    cfg.add_arguments(parser)
+    parser.set_defaults(func=_command)
+
+
+def _command(args: argparse.Namespace) -> int:
+    try:
+        config = cfg.from_args(args)
+    except cfg.ConfigError as exc:
+        raise CliError(str(exc), code=2) from None
+    setup_logging(config.log_level)
+    try:
+        import uvloop
+
+        runner = uvloop.run
+    except ImportError:  # pragma: no cover - uvloop is a dependency; plain asyncio still works
+        runner = asyncio.run
+    try:
+        return runner(run(config))
+    except OSError as exc:  # a port in use, an address that cannot be bound
+        raise CliError(f"cannot listen: {exc.strerror or exc}") from None
+
+
+def build_tracer(config: cfg.SidecarConfig) -> tuple[Any, Any]:
+    """(tracer, provider) when --trace-sample-ratio > 0, else (None, None): no cost when off.
+
+    The exporter follows OTEL_TRACES_EXPORTER (otlp by default, console, none) and the
+    OTLP exporter reads OTEL_EXPORTER_OTLP_* itself; the service name defaults to
+    inferwatch-sidecar unless OTEL_SERVICE_NAME / OTEL_RESOURCE_ATTRIBUTES say otherwise.
+    """
+    if config.trace_sample_ratio <= 0:
+        return None, None
+    import os
+
+    from opentelemetry.sdk.resources import SERVICE_NAME, Resource
+    from opentelemetry.sdk.trace import TracerProvider
+    from opentelemetry.sdk.trace.export import BatchSpanProcessor, ConsoleSpanExporter
+    from opentelemetry.sdk.trace.sampling import ParentBased, TraceIdRatioBased
+
+    resource = Resource.create({SERVICE_NAME: os.environ.get("OTEL_SERVICE_NAME", "inferwatch-sidecar")})
+    provider = TracerProvider(
+        resource=resource, sampler=ParentBased(TraceIdRatioBased(config.trace_sample_ratio))
+    )
+    kind = os.environ.get("OTEL_TRACES_EXPORTER", "otlp").strip().lower()
+    if kind == "console":
+        provider.add_span_processor(
+            BatchSpanProcessor(ConsoleSpanExporter(formatter=lambda s: s.to_json(indent=None) + "\n"))
+        )
+    elif kind == "otlp":
+        from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter
+
+        provider.add_span_processor(BatchSpanProcessor(OTLPSpanExporter()))
+    elif kind != "none":
+        raise CliError(f"OTEL_TRACES_EXPORTER: {kind!r} is not one of otlp, console, none", code=2)
+    return provider.get_tracer("inferwatch.sidecar"), provider
+
+
+class MetricsServer:
+    """/metrics, /healthz and /readyz on their own port and thread, so a scrape never waits
+    on proxy traffic and a stuck proxy still answers health checks."""
+
+    def __init__(self, host: str, port: int, registry: Any) -> None:
+        from prometheus_client.exposition import choose_encoder
+
+        self.ready = False
+        self.status: dict[str, Any] = {}
+        server_self = self
+
+        class Handler(BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.1"
+
+            def do_GET(self) -> None:
+                path = self.path.split("?", 1)[0]
+                if path == "/metrics":
+                    encoder, ctype = choose_encoder(self.headers.get("Accept", ""))
+                    self._send(200, encoder(registry), ctype)
+                elif path == "/healthz":
+                    self._send(200, b"ok\n", "text/plain")
+                elif path == "/readyz":
+                    body = json.dumps({"ready": server_self.ready, **server_self.status}).encode() + b"\n"
+                    self._send(200 if server_self.ready else 503, body, "application/json")
+                else:
+                    self._send(404, b"not found: try /metrics, /healthz or /readyz\n", "text/plain")
+
+            def _send(self, code: int, body: bytes, ctype: str) -> None:
+                self.send_response(code)
+                self.send_header("Content-Type", ctype)
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+            def log_message(self, format: str, *args: Any) -> None:
+                pass  # scrapes and probes are not news
+
+        self.httpd = ThreadingHTTPServer((host, port), Handler)
+        self.httpd.daemon_threads = True
+        self.thread = threading.Thread(target=self.httpd.serve_forever, name="metrics", daemon=True)
+
+    def start(self) -> None:
+        self.thread.start()
+
+    def stop(self) -> None:
+        self.httpd.shutdown()
+        self.httpd.server_close()
+
+
+async def fetch_repository_index(host: str, port: int, timeout: float) -> tuple[int, Any]:
+    """(status, parsed JSON or None) of ``POST /v2/repository/index``; raises OSError when unreachable."""
+    body = b"{}"
+    head = (
+        f"POST /v2/repository/index HTTP/1.1\r\nHost: {host}:{port}\r\nContent-Type: application/json\r\n"
+        f"Content-Length: {len(body)}\r\nConnection: close\r\n\r\n"
+    ).encode()
+
+    async def go() -> tuple[int, Any]:
+        reader, writer = await asyncio.open_connection(host, port)
+        try:
+            writer.write(head + body)
+            raw = await reader.read(16 * 1024 * 1024)
+            while True:  # read to EOF (Connection: close), bounded
+                more = await reader.read(1 << 20)
+                if not more or len(raw) > 16 * 1024 * 1024:
+                    break
+                raw += more
+        finally:
+            writer.close()
+        status_line, _, rest = raw.partition(b"\r\n")
+        parts = status_line.split()
+        if len(parts) < 2 or not parts[1].isdigit():
+            return 0, None
+        status = int(parts[1])
+        headers, _, payload = rest.partition(b"\r\n\r\n")
+        if b"transfer-encoding: chunked" in headers.lower():
+            payload = _dechunk(payload)
+        try:
+            return status, json.loads(payload)
+        except ValueError:
+            return status, None
+
+    return await asyncio.wait_for(go(), timeout)
+
+
+def _dechunk(data: bytes) -> bytes:
+    out, pos = [], 0
+    while True:
+        end = data.find(b"\r\n", pos)
+        if end < 0:
+            break
+        size = int(data[pos:end].split(b";")[0] or b"0", 16)
+        if size == 0:
+            break
+        out.append(data[end + 2 : end + 2 + size])
+        pos = end + 2 + size + 2
+    return b"".join(out)
+
+
+async def refresh_models(config: cfg.SidecarConfig, telemetry: Any, wake: asyncio.Event) -> None:
+    """Keep telemetry's served-model set equal to the upstream's repository index."""
+    from sidecar.telemetry import UPSTREAM_HTTP
+
+    host, port = config.upstream_http
+    up: bool | None = None
+    while True:
+        wake.clear()
+        try:
+            status, data = await fetch_repository_index(host, port, config.connect_timeout + 5.0)
+            now_up = True
+            if status == 200 and isinstance(data, list):
+                served: dict[str, list[str]] = {}
+                for entry in data:
+                    if isinstance(entry, dict) and isinstance(entry.get("name"), str):
+                        served.setdefault(entry["name"], [])
+                        if entry.get("version"):
+                            served[entry["name"]].append(str(entry["version"]))
+                telemetry.update_models(served)
+            elif status in (404, 405, 501) or (status and status < 500 and data is None):
+                telemetry.update_models(None, supported=False)
+            else:
+                now_up = status < 500
+            err = f"HTTP {status}"
+        except (OSError, TimeoutError) as exc:
+            now_up = False
+            err = str(exc) or type(exc).__name__
+        if now_up != up:
+            telemetry.set_upstream_up(UPSTREAM_HTTP, now_up)
+            fields = {"upstream": f"{host}:{port}"}
+            if now_up:
+                log.info("upstream reachable", extra={"fields": fields})
+            else:
+                log.warning("upstream unreachable", extra={"fields": {**fields, "error": err}})
+            up = now_up
+        if not now_up:
+            await asyncio.sleep(DOWN_PROBE_INTERVAL)
+            continue
+        await asyncio.sleep(MISS_REFRESH_MIN_INTERVAL)
+        try:
+            await asyncio.wait_for(
+                wake.wait(), max(0.0, config.model_refresh_interval - MISS_REFRESH_MIN_INTERVAL)
+            )
+        except TimeoutError:
+            pass
+
+
+async def run(config: cfg.SidecarConfig) -> int:
+    from prometheus_client import CollectorRegistry
+
+    from sidecar import http_proxy
+    from sidecar.telemetry import Telemetry
+
+    registry = CollectorRegistry()
+    tracer, provider = build_tracer(config)
+    telemetry = Telemetry(registry, config, tracer)
+    loop = asyncio.get_running_loop()
+    wake = asyncio.Event()
+    telemetry.on_unknown_model = wake.set
+
+    metrics = MetricsServer(config.host, config.metrics_port, registry)
+    metrics.start()
+    servers: list[tuple[str, Any]] = []
+    refresher = asyncio.create_task(refresh_models(config, telemetry, wake))
+    try:
+        servers.append(("http", await http_proxy.serve(config, telemetry)))
+        if config.grpc_proxy_enabled and importlib.util.find_spec("sidecar.grpc_proxy") is not None:
+            grpc_proxy = importlib.import_module("sidecar.grpc_proxy")
+            servers.append(("grpc", await grpc_proxy.serve(config, telemetry)))
+    except BaseException:
+        refresher.cancel()
+        for _, server in servers:
+            await server.stop(0)
+        metrics.stop()
+        raise
+
+    stop = asyncio.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    metrics.status = {"proxies": [name for name, _ in servers]}
+    metrics.ready = True
+    log.info(
+        "sidecar started",
+        extra={
+            "fields": {
+                "http": f"{config.host}:{config.http_port}",
+                "grpc": f"{config.host}:{config.grpc_port}" if len(servers) > 1 else None,
+                "metrics": f"{config.host}:{config.metrics_port}",
+                "upstream_http": "{}:{}".format(*config.upstream_http),
+                "upstream_grpc": "{}:{}".format(*config.upstream_grpc),
+                "tracing": tracer is not None,
+            }
+        },
+    )
+    await stop.wait()
+
+    metrics.ready = False
+    log.info(
+        "draining",
+        extra={"fields": {"in_flight": telemetry.in_flight_total, "grace_s": config.drain_timeout}},
+    )
+    started = time.monotonic()
+    await asyncio.gather(*(server.stop(config.drain_timeout) for _, server in servers))
+    refresher.cancel()
+    if provider is not None:
+        provider.shutdown()
+    metrics.stop()
+    log.info(
+        "stopped",
+        extra={
+            "fields": {
+                "drain_s": round(time.monotonic() - started, 3),
+                "in_flight_left": telemetry.in_flight_total,
+            }
+        },
+    )
+    return 0
