@@ -95,22 +95,6 @@ def pager_token(path: Path) -> str:
     return token
 
 
-def prometheus_rule_files(paths: list[Path]) -> list[Path]:
-    """Of the generator's output, the files Prometheus loads as rule files (it also writes
-    a PrometheusRule resource and the Alertmanager config, which Prometheus would refuse)."""
-    out = []
-    for path in paths:
-        if path.suffix not in (".yaml", ".yml"):
-            continue
-        try:
-            data = yaml.safe_load(path.read_text())
-        except (OSError, yaml.YAMLError):
-            continue
-        if isinstance(data, dict) and set(data) == {"groups"}:
-            out.append(path)
-    return sorted(out)
-
-
 def write_yaml(path: Path, data: object) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(yaml.safe_dump(data, sort_keys=False))

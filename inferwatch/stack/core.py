@@ -217,12 +217,6 @@ class Stack:
                 f"{', '.join(missing)} not found on PATH: run scripts/bootstrap "
                 f"(or apt-get install {pkgs}) and try again"
             )
-        absent = [name for name in COMPONENT_COMMANDS if name not in _registered_commands()]
-        if absent:
-            raise StackError(
-                f"this inferwatch has no {', '.join(absent)} command: the component is not installed; "
-                "reinstall with scripts/bootstrap"
-            )
         other = running_stack(c.state_dir)
         if other is not None:
             raise StackError(
@@ -240,6 +234,12 @@ class Stack:
                     f"port {port} ({name}) is already in use on {c.host}: stop what listens there "
                     f"(ss -ltnp 'sport = :{port}') or pick another with --port {name}=PORT (or --free-ports)"
                 )
+        absent = [name for name in COMPONENT_COMMANDS if name not in _registered_commands()]
+        if absent:
+            raise StackError(
+                f"this inferwatch has no {', '.join(absent)} command: the component is not installed; "
+                "reinstall with scripts/bootstrap"
+            )
         try:
             c.state_dir.mkdir(parents=True, exist_ok=True)
             probe = c.state_dir / ".write-test"
@@ -258,19 +258,19 @@ class Stack:
         spec, c, d = self.spec, self.config, self._dir
         token_file = d / "pager.token"
         cfg.pager_token(token_file)
-        rules_dir = d / "rules"
-        if rules_dir.exists():
-            shutil.rmtree(rules_dir)  # only what this spec generates
-        written = [Path(p) for p in generate.build(spec, rules_dir)]
-        rule_files = cfg.prometheus_rule_files(written)
-        if not rule_files:
-            raise StackError(f"the rule generator wrote no Prometheus rule file into {rules_dir}")
+        gen_dir = d / "generated"
+        if gen_dir.exists():
+            shutil.rmtree(gen_dir)  # only what this spec generates
+        # One pass of the alerting engineer's generator gives the rules, alertmanager.yml and
+        # its templates; the spec it is given routes every receiver to this stack's pager.
         pager_url = f"http://{c.host}:{c.ports['pager']}/webhook"
-        am_spec = cfg.local_routing(spec, pager_url, token_file)
-        cfg.write_yaml(d / "alertmanager" / "alertmanager.yml", generate.alertmanager_config(am_spec))
-        cfg.write_yaml(
-            d / "prometheus" / "prometheus.yml", cfg.prometheus_config(spec, c.ports, rule_files, c.host)
-        )
+        local_spec = cfg.local_routing(spec, pager_url, token_file)
+        generate.build(local_spec, gen_dir, pager_token_file=str(token_file))
+        rule_files = generate.rule_files(gen_dir)
+        if not rule_files or not (gen_dir / "alertmanager.yml").is_file():
+            raise StackError(f"the rule generator wrote no rule files or alertmanager.yml into {gen_dir}")
+        prom = cfg.prometheus_config(spec, c.ports, rule_files, c.host)
+        cfg.write_yaml(d / "prometheus" / "prometheus.yml", prom)
         log("info", "generated configs", rules=len(rule_files), dir=str(d))
 
     def components(self) -> list[Component]:
@@ -328,7 +328,7 @@ class Stack:
                 "alertmanager",
                 [
                     "prometheus-alertmanager",
-                    f"--config.file={d / 'alertmanager' / 'alertmanager.yml'}",
+                    f"--config.file={d / 'generated' / 'alertmanager.yml'}",
                     f"--storage.path={d / 'alertmanager' / 'data'}",
                     f"--web.listen-address={h}:{p['alertmanager']}",
                     f"--web.external-url={url('alertmanager')}",
