@@ -23,6 +23,7 @@ def _log(msg: str, **fields: object) -> None:
 
 def register(sub: argparse._SubParsersAction) -> None:
     _register_triton(sub)
+    _register_fault(sub)
 
 
 # ---------------------------------------------------------------------------------------
@@ -119,3 +120,95 @@ def _triton(args: argparse.Namespace) -> int:
     finally:
         if server.running():
             server.stop()
+
+
+# ---------------------------------------------------------------------------------------
+# inferwatch fault
+# ---------------------------------------------------------------------------------------
+def _state_dir_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--state-dir",
+        default=None,
+        help="the state directory the Triton was started with (default: $INFERWATCH_STATE_DIR "
+        "or ~/.local/state/inferwatch)",
+    )
+
+
+def _register_fault(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "fault",
+        help="inject errors or latency into a running reference model",
+        description=(
+            "Change a running reference model's behaviour without restarting Triton, for all traffic "
+            "from any client. Injected errors are real Triton failures: its request-failure counter "
+            "rises and clients get HTTP 500 / gRPC INTERNAL."
+        ),
+    )
+    fsub = p.add_subparsers(dest="fault_command", metavar="SUBCOMMAND", required=True)
+    s = fsub.add_parser(
+        "set",
+        help="set (replace) the fault of a model",
+        description="Set the fault of a model, or of one version of it (a version's fault wins over "
+        "the model-wide one). Replaces what was set for that target before.",
+    )
+    s.add_argument("--model", required=True, help="model name, e.g. ranker")
+    s.add_argument("--version", default=None, help="only this version (default: every version)")
+    s.add_argument("--error-rate", type=float, default=None, help="fraction of requests that fail, 0..1")
+    s.add_argument(
+        "--extra-latency-ms", type=float, default=None, help="milliseconds added to every execution"
+    )
+    _state_dir_arg(s)
+    s.set_defaults(func=_fault_set)
+    c = fsub.add_parser("clear", help="remove faults (all, a model's, or one version's)")
+    c.add_argument("--model", default=None, help="only this model (default: every model)")
+    c.add_argument("--version", default=None, help="only this version of --model")
+    _state_dir_arg(c)
+    c.set_defaults(func=_fault_clear)
+    ls = fsub.add_parser("list", help="show the faults in effect")
+    _state_dir_arg(ls)
+    ls.set_defaults(func=_fault_list)
+
+
+def _fault_set(args: argparse.Namespace) -> int:
+    from reference_server import faults
+
+    if args.error_rate is None and args.extra_latency_ms is None:
+        raise CliError("nothing to set: give --error-rate and/or --extra-latency-ms", 2)
+    try:
+        path = faults.set_fault(
+            args.model,
+            args.version,
+            error_rate=args.error_rate or 0.0,
+            extra_latency_ms=args.extra_latency_ms or 0.0,
+            state_dir=args.state_dir,
+        )
+    except faults.FaultError as exc:
+        raise CliError(str(exc), 2) from None
+    target = f"{args.model} version {args.version}" if args.version else f"{args.model} (every version)"
+    print(
+        f"fault set on {target}: error rate {args.error_rate or 0:g}, "
+        f"extra latency {args.extra_latency_ms or 0:g} ms ({path})"
+    )
+    return 0
+
+
+def _fault_clear(args: argparse.Namespace) -> int:
+    from reference_server import faults
+
+    try:
+        removed = faults.clear(args.model, args.version, state_dir=args.state_dir)
+    except faults.FaultError as exc:
+        raise CliError(str(exc), 2) from None
+    print(f"cleared {len(removed)} fault(s)" + "".join(f"\n  {p.stem}" for p in removed))
+    return 0
+
+
+def _fault_list(args: argparse.Namespace) -> int:
+    from reference_server import faults
+
+    found = faults.active(args.state_dir)
+    if not found:
+        print(f"no faults in {faults.faults_dir(args.state_dir)}")
+    for target, f in found.items():
+        print(f"{target}: error rate {f.error_rate:g}, extra latency {f.extra_latency_ms:g} ms")
+    return 0
