@@ -129,6 +129,9 @@ def _snapshot(args: argparse.Namespace) -> int:
         raise CliError(str(exc)) from None
     except OSError as exc:
         raise CliError(f"cannot write to {args.out}: {exc.strerror or exc}") from None
-    empty = [p for p in result.panels if not p.series]
-    print(f"{result.index}: {len(result.panels)} panels, {len(empty)} without data")
-    return 0
+    empty = [p for p in result.panels if not p.series and not p.error]
+    failed = [p for p in result.panels if p.error]
+    for panel in failed:
+        print(f"  {panel.dashboard} / {panel.title}: {panel.error}")
+    print(f"{result.index}: {len(result.panels)} panels, {len(empty)} without data, {len(failed)} failed")
+    return 1 if failed else 0

@@ -31,6 +31,10 @@ class LiveError(Exception):
     """Prometheus could not be reached or refused a query; ``str()`` is one line."""
 
 
+class QueryError(LiveError):
+    """Prometheus answered, and refused the query (a parse error, a timeout, ...)."""
+
+
 class Prometheus:
     """A small client for Prometheus's HTTP API v1 (query, query_range, label values)."""
 
@@ -61,7 +65,7 @@ class Prometheus:
                 f"{self.base_url}{path}: HTTP {resp.status_code}, not a Prometheus API answer"
             ) from None
         if body.get("status") != "success":
-            raise LiveError(f"{body.get('errorType', 'error')}: {body.get('error', resp.text[:200])}")
+            raise QueryError(f"{body.get('errorType', 'error')}: {body.get('error', resp.text[:200])}")
         return body["data"]
 
     def query(self, expr: str, time: float | None = None) -> list[dict[str, Any]]:

@@ -109,6 +109,7 @@ class RenderedPanel:
     file: str
     series: int
     queries: list[QueryResult] = field(default_factory=list)
+    error: str = ""
 
 
 @dataclass
@@ -191,7 +192,9 @@ def _ylimits(ax: Any, panel: dict[str, Any], series: Sequence[Series]) -> None:
 
 def _time_axis(ax: Any) -> None:
     ax.xaxis.set_major_formatter(mdates.DateFormatter("%H:%M:%S", tz=UTC))
-    ax.xaxis.set_major_locator(mdates.AutoDateLocator(maxticks=7))
+    locator = mdates.AutoDateLocator(minticks=3, maxticks=8)
+    locator.intervald[mdates.SECONDLY] = [1, 2, 5, 10, 15, 30]  # short ranges, e.g. a test's minutes
+    ax.xaxis.set_major_locator(locator)
     ax.tick_params(labelsize=8)
     ax.grid(True, alpha=0.25)
 
@@ -278,14 +281,11 @@ def _draw_heatmap(fig: Any, panel: dict[str, Any], series: list[Series]) -> None
         ("> " + fmt(_le(buckets[i - 1]))) if math.isinf(_le(buckets[i])) else fmt(_le(buckets[i]))
         for i in range(lo, hi + 1)
     ]
-    t = [datetime.fromtimestamp(x, UTC) for x in buckets[0].t[:n]]
-    mesh = ax.pcolormesh(
-        mdates.date2num(t),
-        np.arange(len(labels) + 1) - 0.5,
-        counts,
-        cmap="Oranges",
-        shading="flat" if len(t) > len(counts[0]) else "nearest",
-    )
+    times = buckets[0].t[:n]
+    step = (times[-1] - times[0]) / (n - 1) if n > 1 else 60.0
+    edges = [times[0] - step / 2 + i * step for i in range(n + 1)]
+    x = mdates.date2num([datetime.fromtimestamp(e, UTC) for e in edges])
+    mesh = ax.pcolormesh(x, np.arange(len(labels) + 1) - 0.5, counts, cmap="Oranges", shading="flat")
     ax.set_yticks(range(len(labels)))
     ax.set_yticklabels(labels, fontsize=7)
     ax.xaxis_date()
@@ -389,26 +389,60 @@ def snapshot(
             instances = list(live.panel_instances(dash, ctx))
             progress(f"{dash['title']}: {len(instances)} panels")
             for i, inst in enumerate(instances, 1):
-                series: list[Series] = []
-                results = []
-                for q in inst.queries:
-                    if q.instant or q.fmt == "table":
-                        raw = prom.query(q.expr, end)
-                    else:
-                        raw = prom.query_range(q.expr, start, end, step)
-                    got = _series(raw, q.legend)
-                    series += got
-                    results.append(QueryResult(q.ref, q.expr, len(got)))
-                fname = f"{name}-{i:02d}-{_file_slug(inst.title)}.png"
-                _draw(inst.panel, inst.title, series, out_dir / fname)
-                rendered.append(
-                    RenderedPanel(name, inst.title, inst.panel.get("type", ""), fname, len(series), results)
-                )
+                rendered.append(_render_panel(prom, name, i, inst, out_dir, start, end, step))
     index = _write_index(out_dir, dashes, rendered, start, end)
     (out_dir / "manifest.json").write_text(
         json.dumps([asdict(r) for r in rendered], indent=2, sort_keys=True) + "\n", encoding="utf-8"
     )
     return SnapshotResult(index, rendered)
+
+
+def _render_panel(
+    prom: live.Prometheus,
+    name: str,
+    i: int,
+    inst: live.PanelInstance,
+    out_dir: Path,
+    start: float,
+    end: float,
+    step: float,
+) -> RenderedPanel:
+    """Query and draw one panel. A query Prometheus refuses or a drawing failure costs only
+    this panel: its image says why and the manifest records the error."""
+    series: list[Series] = []
+    results = []
+    error = ""
+    try:
+        for q in inst.queries:
+            if q.instant or q.fmt == "table":
+                raw = prom.query(q.expr, end)
+            else:
+                raw = prom.query_range(q.expr, start, end, step)
+            got = _series(raw, q.legend)
+            series += got
+            results.append(QueryResult(q.ref, q.expr, len(got)))
+    except live.QueryError as exc:
+        error = f"query refused: {exc}"
+    fname = f"{name}-{i:02d}-{_file_slug(inst.title)}.png"
+    if not error:
+        try:
+            _draw(inst.panel, inst.title, series, out_dir / fname)
+        except Exception as exc:  # one panel's drawing bug must not lose the other panels
+            error = f"cannot draw: {type(exc).__name__}: {exc}"
+    if error:
+        _draw_error(inst.title, error, out_dir / fname)
+    kind = inst.panel.get("type", "")
+    return RenderedPanel(name, inst.title, kind, fname, len(series), results, error)
+
+
+def _draw_error(title: str, message: str, path: Path) -> None:
+    fig = plt.figure(figsize=(8, 3), dpi=100)
+    try:
+        fig.suptitle(title, fontsize=11, x=0.02, ha="left", fontweight="bold")
+        fig.text(0.5, 0.5, message[:300], ha="center", va="center", fontsize=9, color="#C4162A", wrap=True)
+        fig.savefig(path)
+    finally:
+        plt.close(fig)
 
 
 def _write_index(

@@ -1,0 +1,228 @@
+"""The dashboards against live data: the real Triton, the sidecar in front of it and the GPU
+exporter under load, scraped every second by a real Prometheus that runs the generated rules.
+Every panel's query, with its variables substituted from the live label values, is accepted
+by Prometheus and returns data; then ``inferwatch dashboards snapshot`` renders every panel."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+import tritonclient.http as tritonhttp
+import yaml
+
+from alert_rules import generate
+from dashboards import build, live, urls
+from inferwatch import contract as c
+from inferwatch.spec import load_spec
+from reference_server import catalog
+from tests.fixtures.net import ROOT, Processes, free_port, inferwatch_cmd, wait_http
+
+pytestmark = pytest.mark.integration
+
+# The demo spec's windows are seconds, not minutes, so the panels fill within a minute.
+SPEC = load_spec(ROOT / "fleet.demo.yaml")
+DASHBOARDS = build.build(SPEC)
+SCRAPE_S = 1
+# (model, version sent in the URL, client threads): ranker v1 and v2 run side by side like a
+# canary; two clients on dense_batched let Triton form batches.
+TRAFFIC = [("dense_batched", "", 2), ("dense_unbatched", "", 1), ("ranker", "1", 1), ("ranker", "2", 1)]
+# Panels that cannot have data on this machine, and why. Their queries must still be accepted.
+NO_DATA_HERE = {
+    "GPU memory by pod": "the simulated GPU backend runs no processes; per-pod memory needs a real GPU",
+}
+
+
+@dataclass
+class Stack:
+    prometheus: str
+    sidecar_http: str
+    gpu_exporter: str
+    log_dir: Path
+
+
+def _sidecar_cmd(*args: str) -> list[str]:
+    return inferwatch_cmd("sidecar", *args)
+
+
+def _send(url: str, model: str, version: str, stop: threading.Event, errors: list[str]) -> None:
+    client = tritonhttp.InferenceServerClient(url, network_timeout=30)
+    datatypes = {t.name: t.datatype for t in catalog.model_info(model).inputs}
+    inputs = []
+    for name, array in catalog.example_input(model, batch=1, seed=1).items():
+        tensor = tritonhttp.InferInput(name, list(array.shape), datatypes[name])
+        tensor.set_data_from_numpy(array, binary_data=True)
+        inputs.append(tensor)
+    while not stop.is_set():
+        try:
+            client.infer(model, inputs, model_version=version)
+        except Exception as exc:  # a 5xx the sidecar answers is data too; keep count for the log
+            errors.append(str(exc)[:200])
+            time.sleep(0.05)
+    client.close()
+
+
+@pytest.fixture(scope="module")
+def stack(tmp_path_factory: pytest.TempPathFactory, triton, _gpu_exporter_session) -> Iterator[Stack]:
+    log_dir = tmp_path_factory.mktemp("dashboards-live")
+    procs = Processes(log_dir)
+    stop = threading.Event()
+    threads: list[threading.Thread] = []
+    try:
+        http_port, grpc_port, metrics_port = free_port(), free_port(), free_port()
+        sidecar = procs.start(
+            "sidecar",
+            _sidecar_cmd(
+                "--upstream-http", triton.http_url, "--upstream-grpc", triton.grpc_url,
+                "--host", "127.0.0.1", "--http-port", str(http_port), "--grpc-port", str(grpc_port),
+                "--metrics-port", str(metrics_port), "--spec", str(ROOT / "fleet.demo.yaml"),
+            ),
+        )  # fmt: skip
+        wait_http(f"http://127.0.0.1:{metrics_port}/readyz", timeout=60, proc=sidecar)
+
+        rules_dir = log_dir / "rules"
+        generate.build(SPEC, rules_dir, pager_token_file=None)
+        prom_port = free_port()
+        config = {
+            "global": {"scrape_interval": f"{SCRAPE_S}s", "evaluation_interval": f"{SCRAPE_S}s"},
+            "rule_files": [str(p) for p in generate.rule_files(rules_dir)],
+            "scrape_configs": [
+                {"job_name": job, "static_configs": [{"targets": [target]}]}
+                for job, target in (
+                    (c.JOB_SIDECAR, f"127.0.0.1:{metrics_port}"),
+                    (c.JOB_TRITON, triton.metrics_url.removeprefix("http://").removesuffix("/metrics")),
+                    (c.JOB_GPU_EXPORTER, _gpu_exporter_session.target),
+                )
+            ],
+        }
+        (log_dir / "prometheus.yml").write_text(yaml.safe_dump(config))
+        prom = procs.start(
+            "prometheus",
+            [
+                "prometheus",
+                f"--config.file={log_dir / 'prometheus.yml'}",
+                f"--storage.tsdb.path={log_dir / 'tsdb'}",
+                f"--web.listen-address=127.0.0.1:{prom_port}",
+                "--enable-feature=exemplar-storage",
+            ],
+        )
+        wait_http(f"http://127.0.0.1:{prom_port}/-/ready", timeout=60, proc=prom)
+
+        # GPU 0 under memory pressure: GPUMemoryPressure fires, so "Alerts firing now" has a row.
+        assert _gpu_exporter_session.simulate(fb_used_ratio=0.95, gpus=[0]).status_code == 200
+        errors: list[str] = []
+        for model, version, clients in TRAFFIC:
+            for _ in range(clients):
+                t = threading.Thread(
+                    target=_send,
+                    args=(f"127.0.0.1:{http_port}", model, version, stop, errors),
+                    daemon=True,
+                )
+                t.start()
+                threads.append(t)
+        yield Stack(
+            f"http://127.0.0.1:{prom_port}", f"127.0.0.1:{http_port}", _gpu_exporter_session.url, log_dir
+        )
+    finally:
+        stop.set()
+        for t in threads:
+            t.join(30)
+        _gpu_exporter_session.reset()
+        procs.stop_all()
+
+
+def _instances(
+    prom: live.Prometheus, name: str, pins: dict[str, str] | None = None
+) -> list[live.PanelInstance]:
+    dash = DASHBOARDS[name]
+    end = time.time()
+    variables = live.resolve_variables(dash, prom, end - 300, end, pins)
+    ctx = live.Context(variables, end - 120, end, 2, SCRAPE_S)
+    return list(live.panel_instances(dash, ctx))
+
+
+def _empty_queries(prom: live.Prometheus, instances: list[live.PanelInstance]) -> list[str]:
+    """Queries that returned no series over the last two minutes (parse errors raise)."""
+    end = time.time()
+    empty = []
+    for inst in instances:
+        for q in inst.queries:
+            if q.instant:
+                result = prom.query(q.expr, end)
+            else:
+                result = prom.query_range(q.expr, end - 120, end, 2)
+            if not result and inst.panel["title"] not in NO_DATA_HERE:
+                empty.append(f"{inst.dashboard_title} / {inst.title} [{q.ref}]: {q.expr}")
+    return empty
+
+
+def _all_instances(prom: live.Prometheus) -> list[live.PanelInstance]:
+    out = []
+    for name in DASHBOARDS:
+        if name == urls.MODEL_DETAIL:
+            # Model detail shows one model at a time: check it for every model served.
+            for model in sorted({m for m, _v, _n in TRAFFIC}):
+                out += _instances(prom, name, {"model": model})
+        else:
+            out += _instances(prom, name)
+    return out
+
+
+def test_every_panel_query_returns_data(stack: Stack) -> None:
+    with live.Prometheus(stack.prometheus) as prom:
+        deadline = time.monotonic() + 150
+        while True:
+            instances = _all_instances(prom)
+            empty = _empty_queries(prom, instances)
+            if not empty or time.monotonic() > deadline:
+                break
+            time.sleep(3)
+        assert not empty, "queries without data:\n" + "\n".join(empty)
+        titles = {i.title for i in instances}
+        # Repeated per-model latency panels: one per model with traffic.
+        assert {f"Latency: {m}" for m, _v, _n in TRAFFIC} <= titles
+        # The versions variable sees the canary: ranker v1 and v2 side by side.
+        variables = live.resolve_variables(
+            DASHBOARDS[urls.MODEL_DETAIL], prom, time.time() - 300, time.time(), {"model": "ranker"}
+        )
+        assert {"1", "2"} <= set(variables["version"].options)
+        # The alert table shows what is firing: the GPU under memory pressure.
+        firing = prom.query(f'{c.PROM_ALERTS.name}{{alertstate="firing"}}')
+        assert c.ALERT_GPU_MEMORY_PRESSURE in {a["metric"]["alertname"] for a in firing}
+        # The documented exceptions are still valid queries (Prometheus accepted them above).
+        assert {i.panel["title"] for i in instances} >= set(NO_DATA_HERE)
+
+
+def test_snapshot_renders_every_panel(stack: Stack, tmp_path: Path) -> None:
+    out = tmp_path / "snapshot"
+    cmd = inferwatch_cmd(
+        "dashboards", "snapshot", "--prometheus", stack.prometheus, "--out", str(out),
+        "--spec", str(ROOT / "fleet.demo.yaml"), "--range", "3m", "--scrape-interval", f"{SCRAPE_S}s",
+    )  # fmt: skip
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    manifest = json.loads((out / "manifest.json").read_text())
+    expected = sum(len(list(live.panels(d))) for d in DASHBOARDS.values())
+    # Repeated panels add one image per model beyond the first.
+    assert len(manifest) >= expected
+    index = (out / "index.html").read_text()
+    for entry in manifest:
+        png = out / entry["file"]
+        assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+        assert png.stat().st_size > 10_000, entry["file"]
+        assert entry["file"] in index
+        assert not entry["error"], f"{entry['title']}: {entry['error']}"
+        if entry["title"] not in NO_DATA_HERE:
+            assert entry["series"] > 0, f"{entry['title']}: rendered without data"
+    assert {e["dashboard"] for e in manifest} == set(DASHBOARDS)
+    keep = os.environ.get("INFERWATCH_KEEP_SNAPSHOT")
+    if keep:  # for a person to look at (and for docs/img)
+        shutil.copytree(out, keep, dirs_exist_ok=True)
