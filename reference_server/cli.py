@@ -24,6 +24,7 @@ def _log(msg: str, **fields: object) -> None:
 def register(sub: argparse._SubParsersAction) -> None:
     _register_triton(sub)
     _register_fault(sub)
+    _register_load(sub)
 
 
 # ---------------------------------------------------------------------------------------
@@ -211,4 +212,143 @@ def _fault_list(args: argparse.Namespace) -> int:
         print(f"no faults in {faults.faults_dir(args.state_dir)}")
     for target, f in found.items():
         print(f"{target}: error rate {f.error_rate:g}, extra latency {f.extra_latency_ms:g} ms")
+    return 0
+
+
+# ---------------------------------------------------------------------------------------
+# inferwatch load
+# ---------------------------------------------------------------------------------------
+def _register_load(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "load",
+        help="send inference load (open-loop Poisson rate or closed-loop concurrency)",
+        description=(
+            "Send KServe v2 inference requests with tritonclient to Triton, the sidecar or the naive "
+            "server. --rate sends Poisson arrivals at that rate whatever the server does (open loop; "
+            "latency counts from each request's scheduled time, and the summary says when the sender "
+            "could not keep up); --concurrency keeps that many requests outstanding (closed loop). "
+            "Ends with sent, ok, errors by status, achieved rate and P50/P90/P99/max latency."
+        ),
+        epilog="example: inferwatch load --url 127.0.0.1:8001 --protocol grpc --rate 50 --duration 30 "
+        "--model ranker:1=9 --model ranker:2=1",
+    )
+    p.add_argument("--url", default=None, help="HOST:PORT (default: 127.0.0.1:8000 for http, :8001 for grpc)")
+    p.add_argument("--protocol", choices=("http", "grpc"), default="http", help="default: %(default)s")
+    mode = p.add_mutually_exclusive_group(required=True)
+    mode.add_argument("--rate", type=float, help="open loop: requests per second (Poisson arrivals)")
+    mode.add_argument("--concurrency", type=int, help="closed loop: requests kept outstanding")
+    p.add_argument("--duration", type=float, default=10.0, help="seconds (default: %(default)s)")
+    p.add_argument(
+        "--model",
+        action="append",
+        default=None,
+        metavar="NAME[:VERSION][=WEIGHT]",
+        help="a model to send to, repeatable for a mix (default: dense_batched)",
+    )
+    p.add_argument("--batch", type=int, default=1, help="rows per request (default: %(default)s)")
+    p.add_argument(
+        "--max-in-flight",
+        type=int,
+        default=1024,
+        help="open loop: outstanding requests beyond which arrivals are skipped and reported "
+        "(default: %(default)s)",
+    )
+    p.add_argument(
+        "--timeout", type=float, default=30.0, help="per-request timeout, seconds (default: %(default)s)"
+    )
+    p.add_argument("--seed", type=int, default=None, help="seed for arrivals and the model mix")
+    p.add_argument("--json", action="store_true", help="print the summary as JSON on stdout, no progress")
+    p.set_defaults(func=_load)
+
+
+def _check_reachable(url: str, protocol: str) -> None:
+    try:
+        if protocol == "http":
+            import tritonclient.http as client_mod
+
+            live = client_mod.InferenceServerClient(url, connection_timeout=5.0).is_server_live()
+        else:
+            import tritonclient.grpc as client_mod
+
+            live = client_mod.InferenceServerClient(url).is_server_live(client_timeout=5.0)
+    except Exception as exc:
+        reason = str(getattr(exc, "message", lambda: "")() or exc).splitlines()[0][:200]
+        raise CliError(f"cannot reach a KServe v2 server at {url} over {protocol}: {reason}") from None
+    if not live:
+        raise CliError(f"the server at {url} says it is not live")
+
+
+def _format_summary(s) -> str:
+    lat = s.latency_s
+    mode = (
+        f"open loop at {s.target_rate:g}/s"
+        if s.mode == "open"
+        else f"closed loop, concurrency {s.concurrency}"
+    )
+    errors = ", ".join(f"{k}: {v}" for k, v in sorted(s.errors.items())) or "none"
+    lines = [
+        f"{mode} over {s.protocol}, {s.elapsed_s:.1f} s",
+        f"  sent {s.sent}   ok {s.ok}   errors {sum(s.errors.values())} ({errors})",
+        f"  achieved {s.achieved_rate:.1f} req/s sent, {s.ok_rate:.1f} ok/s",
+        f"  latency p50 {lat['p50'] * 1e3:.1f} ms   p90 {lat['p90'] * 1e3:.1f} ms   "
+        f"p99 {lat['p99'] * 1e3:.1f} ms   max {lat['max'] * 1e3:.1f} ms",
+    ]
+    if len(s.by_target) > 1:
+        for label, c in sorted(s.by_target.items()):
+            lines.append(f"  {label}: sent {c.get('sent', 0)}, ok {c.get('ok', 0)}")
+    lines += [f"WARNING: {w}" for w in s.warnings]
+    return "\n".join(lines)
+
+
+def _load(args: argparse.Namespace) -> int:
+    from reference_server.loadgen import LoadConfig, LoadError, Target, run_load
+
+    url = args.url or ("127.0.0.1:8000" if args.protocol == "http" else "127.0.0.1:8001")
+    try:
+        config = LoadConfig(
+            url=url,
+            protocol=args.protocol,
+            targets=[Target.parse(m) for m in (args.model or ["dense_batched"])],
+            rate=args.rate,
+            concurrency=args.concurrency,
+            duration=args.duration,
+            batch=args.batch,
+            max_in_flight=args.max_in_flight,
+            timeout=args.timeout,
+            seed=args.seed,
+        ).validate()
+        if args.max_in_flight < 1:
+            raise LoadError("--max-in-flight must be at least 1")
+    except LoadError as exc:
+        raise CliError(str(exc), 2) from None
+    _check_reachable(url, args.protocol)
+
+    if args.json or not sys.stdout.isatty():
+        summary = run_load(config)
+    else:
+        from rich.live import Live
+        from rich.text import Text
+
+        with Live(Text("starting..."), refresh_per_second=4, transient=True) as live:
+
+            def show(s) -> None:
+                lat = s.latency_s
+                live.update(
+                    Text(
+                        f"{s.elapsed_s:5.1f}/{args.duration:g} s  sent {s.sent}  ok {s.ok}  "
+                        f"errors {sum(s.errors.values())}  in flight {s.in_flight}  "
+                        f"{s.achieved_rate:.1f} req/s  p50 {lat['p50'] * 1e3:.1f} ms  "
+                        f"p99 {lat['p99'] * 1e3:.1f} ms" + ("  (behind!)" if not s.kept_up else "")
+                    )
+                )
+
+            summary = run_load(config, on_progress=show)
+    if args.json:
+        print(json.dumps(summary.to_dict(), indent=2, sort_keys=True))
+        for w in summary.warnings:
+            print(f"inferwatch: warning: {w}", file=sys.stderr)
+    else:
+        print(_format_summary(summary))
+    if summary.sent and not summary.ok and set(summary.errors) <= {"connection_error", "timeout"}:
+        raise CliError(f"no request succeeded: {summary.errors}")
     return 0
