@@ -34,6 +34,7 @@ def dashboard(spec: FleetSpec) -> g.Dashboard:
     dur = c.REQUEST_DURATION.name
     bucket = dur + "_bucket"
     sla = p.sla_seconds(p.MODEL_SEL, "", default_sla)
+    server_error = sel + f', outcome="{c.OUTCOME_SERVER_ERROR}"'
 
     latency = p.Row(
         "Latency",
@@ -48,14 +49,19 @@ def dashboard(spec: FleetSpec) -> g.Dashboard:
             ),
             p.timeseries(
                 f"P50 and {q_label} latency by version",
-                f"Sidecar latency per version: a canary slower than the stable version shows here first. "
+                "Sidecar latency per version ('default': requests that named no version, served by the "
+                "server's default version); a canary slower than the stable version shows here first. "
                 f"Dashed: the SLA (orange) and {factor}x the SLA (red). Dots on {q_label} are exemplars: "
                 "click one to open its trace.",
                 [
-                    p.target(p.quantile(0.5, p.rate(bucket, sel), "version"), "v{{version}} P50", "A"),
                     p.target(
-                        p.quantile(lat.quantile, p.rate(bucket, sel), "version"),
-                        f"v{{{{version}}}} {q_label}",
+                        p.name_unversioned(p.quantile(0.5, p.rate(bucket, sel), "version")),
+                        "version {{version}} P50",
+                        "A",
+                    ),
+                    p.target(
+                        p.name_unversioned(p.quantile(lat.quantile, p.rate(bucket, sel), "version")),
+                        f"version {{{{version}}}} {q_label}",
                         "B",
                         exemplar=True,
                     ),
@@ -96,7 +102,12 @@ def dashboard(spec: FleetSpec) -> g.Dashboard:
             p.timeseries(
                 "Request rate by version",
                 "Requests per second per version: the traffic split of a canary rollout.",
-                p.targets((f"sum by (version) ({p.rate(c.REQUESTS_TOTAL, sel)})", "v{{version}}")),
+                p.targets(
+                    (
+                        p.name_unversioned(f"sum by (version) ({p.rate(c.REQUESTS_TOTAL, sel)})"),
+                        "version {{version}}",
+                    )
+                ),
                 "reqps",
                 "requests/s",
                 w=8,
@@ -107,14 +118,14 @@ def dashboard(spec: FleetSpec) -> g.Dashboard:
                 f"({er.threshold:.2%}); green band: healthy (under {p.HEALTHY_ERROR_RATIO:.1%}).",
                 p.targets(
                     (
-                        p.ratio_or_zero(
-                            p.rate(
-                                c.REQUESTS_TOTAL, sel + f', outcome="{c.OUTCOME_SERVER_ERROR}"', er.window
-                            ),
-                            p.rate(c.REQUESTS_TOTAL, sel, er.window),
-                            "version",
+                        p.name_unversioned(
+                            p.ratio_or_zero(
+                                p.rate(c.REQUESTS_TOTAL, server_error, er.window),
+                                p.rate(c.REQUESTS_TOTAL, sel, er.window),
+                                "version",
+                            )
                         ),
-                        "v{{version}}",
+                        "version {{version}}",
                     )
                 ),
                 "percentunit",
@@ -147,7 +158,7 @@ def dashboard(spec: FleetSpec) -> g.Dashboard:
                     (
                         f"sum by (version) ({p.rate(c.TRITON_INFERENCE_COUNT, tsel)}) / "
                         f"sum by (version) ({p.rate(c.TRITON_EXEC_COUNT, tsel)})",
-                        "v{{version}}",
+                        "version {{version}}",
                     )
                 ),
                 "short",
@@ -161,7 +172,7 @@ def dashboard(spec: FleetSpec) -> g.Dashboard:
                 p.targets(
                     (
                         f"sum by (version) ({p.sel(c.TRITON_PENDING_REQUESTS, tsel)})",
-                        "v{{version}}",
+                        "version {{version}}",
                     )
                 ),
                 "short",

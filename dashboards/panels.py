@@ -422,9 +422,17 @@ def fb_used_ratio(selector: str) -> str:
 
 def sla_seconds(selector: str, by: str, default_s: float, window: str = RATE) -> str:
     """The SLA the sidecar exports per model, and the spec's default for a model with traffic
-    but no exported SLA (DESIGN: the spec's default is the fallback)."""
+    but no exported SLA (DESIGN: the spec's default is the fallback). Only where the model
+    has traffic or an exported SLA, so no line is drawn for a time nothing ran."""
     exported = f"max by ({by}) ({sel(c.MODEL_LATENCY_SLA, selector)})"
-    if not by:
-        return f"({exported} or vector({default_s:g}))"
     traffic = f"sum by ({by}) ({rate(c.REQUESTS_TOTAL, selector, window)})"
     return f"({exported} or on ({by}) (0 * {traffic} + {default_s:g}))"
+
+
+# Requests that name no version carry version="" at the sidecar; the server picks its default
+# version for them. Shown under this name, so a legend never reads as an empty string.
+UNVERSIONED = "default"
+
+
+def name_unversioned(expr: str) -> str:
+    return f'label_replace({expr}, "version", "{UNVERSIONED}", "version", "")'

@@ -199,6 +199,18 @@ def _time_axis(ax: Any) -> None:
     ax.grid(True, alpha=0.25)
 
 
+def _calcs(panel: dict[str, Any], s: Series, unit: str) -> str:
+    """The legend's calculations (Grafana's table legend), e.g. "  last 42 req/s  max 63 req/s"."""
+    calcs = panel.get("options", {}).get("legend", {}).get("calcs", [])
+    values = [v for v in s.v if math.isfinite(v)]
+    if not values or not calcs:
+        return ""
+    fmt = unit_formatter(unit)
+    named = {"lastNotNull": ("last", values[-1]), "max": ("max", max(values)), "min": ("min", min(values))}
+    named["mean"] = ("mean", sum(values) / len(values))
+    return "".join(f"   {named[c][0]} {fmt(named[c][1])}" for c in calcs if c in named)
+
+
 def _draw_timeseries(fig: Any, panel: dict[str, Any], series: list[Series]) -> None:
     ax = fig.add_subplot(111)
     defaults = panel.get("fieldConfig", {}).get("defaults", {})
@@ -227,7 +239,8 @@ def _draw_timeseries(fig: Any, panel: dict[str, Any], series: list[Series]) -> N
         else:
             main.append(s)
         t = [datetime.fromtimestamp(x, UTC) for x in s.t]
-        kw = {"color": _color(color, i), "lw": props.get("custom.lineWidth", 1.4), "label": s.name}
+        label = s.name + _calcs(panel, s, props.get("unit", unit))
+        kw = {"color": _color(color, i), "lw": props.get("custom.lineWidth", 1.4), "label": label}
         if dash:
             kw["ls"] = "--"
         if stacked and target is ax:
@@ -242,6 +255,8 @@ def _draw_timeseries(fig: Any, panel: dict[str, Any], series: list[Series]) -> N
             colors=[h[2]["color"] for h in handles],
             alpha=0.6,
         )
+    if right is not None:
+        right.set_ylim(bottom=0)
     _ylimits(ax, panel, main)
     _thresholds(ax, panel)
     ax.yaxis.set_major_formatter(FuncFormatter(lambda v, _p: unit_formatter(unit)(v)))
@@ -322,6 +337,7 @@ def _draw_table(fig: Any, panel: dict[str, Any], series: list[Series]) -> None:
     tbl = ax.table(cellText=rows, colLabels=cols, loc="upper center", cellLoc="left")
     tbl.auto_set_font_size(False)
     tbl.set_fontsize(7)
+    tbl.auto_set_column_width(list(range(len(cols))))
     tbl.scale(1, 1.3)
 
 
