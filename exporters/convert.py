@@ -93,6 +93,9 @@ class ProcessUsage:
     used_bytes: int
 
 
+_UNREAD = RawGpu()
+
+
 def _family(m: c.Metric, help_: str | None = None) -> Metric:
     return Metric(m.name, help_ or m.help, m.type)
 
@@ -105,8 +108,10 @@ def gpu_families(
     processes: Sequence[ProcessUsage],
 ) -> list[Metric]:
     """Every per-GPU family: the dcgm fields (only those with at least one sample), the total
-    framebuffer in bytes, XID counts by code and per-owner process memory."""
-    values = [(row, dcgm_values(row.raw, last_xid.get(row.index, 0))) for row in rows if row.raw is not None]
+    framebuffer in bytes, XID counts by code and per-owner process memory. A GPU whose reading
+    is None keeps only its XID series."""
+    # A GPU that could not be read still has its last XID: that is when it matters most.
+    values = [(row, dcgm_values(row.raw or _UNREAD, last_xid.get(row.index, 0))) for row in rows]
     out: list[Metric] = []
     for f in fields:
         name = f.metric.name
@@ -120,7 +125,7 @@ def gpu_families(
 
     total = _family(c.GPU_FB_TOTAL_BYTES)
     for row, _ in values:
-        if row.raw.mem_total is not None:
+        if row.raw is not None and row.raw.mem_total is not None:
             total.add_sample(c.GPU_FB_TOTAL_BYTES.name, row.labels, row.raw.mem_total)
     out.append(total)
 
