@@ -37,6 +37,7 @@ def values(spec: FleetSpec) -> dict[str, str]:
         "error_expr": errors.alert_expr(cfg),
         "latency_quantile": cfg.quantile_label,
         "latency_qname": cfg.quantile_name,
+        "latency_tail": f"{round((1 - cfg.latency_quantile) * 100, 6):g}%",
         "latency_factor": f"{cfg.latency_factor:g}",
         "latency_window": cfg.latency_window,
         "latency_for": cfg.latency_for,

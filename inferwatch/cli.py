@@ -22,6 +22,7 @@ COMMAND_MODULES = [
     "reference_server.cli",
     "dashboards.cli",
     "exporters.cli",
+    "alert_rules.cli",
 ]
 
 EXIT_USAGE = 2

@@ -69,7 +69,8 @@ def group(cfg: RulesConfig) -> dict:
                     "summary": f"{gpu_labels} reported XID errors",
                     "description": (
                         f"The NVIDIA driver reported XID errors on {gpu_labels} in the last {XID_WINDOW} "
-                        "(the xid label names the code where the exporter knows it). Some XIDs (48, 63, 64, 74, 79, 94, 95) mean the GPU "
+                        "(the xid label names the code where the exporter knows it). "
+                        "Some XIDs (48, 63, 64, 74, 79, 94, 95) mean the GPU "
                         "needs draining and a reset."
                     ),
                 },
