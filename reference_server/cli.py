@@ -25,6 +25,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     _register_triton(sub)
     _register_fault(sub)
     _register_load(sub)
+    _register_naive(sub)
 
 
 # ---------------------------------------------------------------------------------------
@@ -351,4 +352,39 @@ def _load(args: argparse.Namespace) -> int:
         print(_format_summary(summary))
     if summary.sent and not summary.ok and set(summary.errors) <= {"connection_error", "timeout"}:
         raise CliError(f"no request succeeded: {summary.errors}")
+    return 0
+
+
+# ---------------------------------------------------------------------------------------
+# inferwatch naive-server
+# ---------------------------------------------------------------------------------------
+def _register_naive(sub: argparse._SubParsersAction) -> None:
+    from reference_server.naive import DEFAULT_PORT
+
+    p = sub.add_parser(
+        "naive-server",
+        help="serve the dense model with plain FastAPI, one request at a time (the baseline)",
+        description=(
+            "Serve the dense reference model (as dense_batched and dense_unbatched, same weights as "
+            "Triton's) over the KServe v2 HTTP protocol with FastAPI, computing each request inline, "
+            "one at a time: the naive baseline of the batching benchmark. /healthz answers when ready."
+        ),
+    )
+    p.add_argument("--host", default="127.0.0.1", help="address to bind (default: %(default)s)")
+    p.add_argument("--port", type=int, default=DEFAULT_PORT, help="HTTP port (default: %(default)s)")
+    p.set_defaults(func=_naive)
+
+
+def _naive(args: argparse.Namespace) -> int:
+    from reference_server.launcher import LauncherError, port_in_use
+    from reference_server.naive import serve
+
+    if not 0 < args.port < 65536:
+        raise CliError("--port must be a port number (1-65535)", 2)
+    try:
+        if port_in_use(args.host, args.port):
+            raise CliError(f"port {args.host}:{args.port} is already in use; choose another with --port")
+    except LauncherError as exc:
+        raise CliError(str(exc)) from None
+    serve(args.host, args.port)
     return 0

@@ -13,24 +13,9 @@ from tritonclient.utils import InferenceServerException
 
 from inferwatch import contract
 from reference_server import catalog, triton_metrics
+from tests.fixtures.triton import expected
 
 pytestmark = pytest.mark.integration
-
-
-def reference_weights(seed: int, shape: tuple[int, ...]) -> np.ndarray:
-    """The weight recipe documented in model.py, rebuilt here independently of the server."""
-    w = np.random.default_rng(seed).standard_normal(shape, dtype=np.float32)
-    return w * np.float32(1.0 / np.sqrt(shape[0]))
-
-
-def expected(model: str, version: str, x: np.ndarray) -> np.ndarray:
-    seed = catalog.WEIGHT_SEEDS[(model, version)]
-    if model.startswith("dense"):
-        return x @ reference_weights(seed, (catalog.DENSE_DIM, catalog.DENSE_DIM))
-    if version == "1":
-        return (x @ reference_weights(seed + 1, (catalog.RANKER_FEATURES, 1)))[..., 0]
-    h = np.tanh(x @ reference_weights(seed, (catalog.RANKER_FEATURES, catalog.RANKER_V2_HIDDEN)))
-    return (h @ reference_weights(seed + 1, (catalog.RANKER_V2_HIDDEN, 1)))[..., 0]
 
 
 def http_infer(url: str, model: str, x: np.ndarray, version: str = "") -> np.ndarray:
