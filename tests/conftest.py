@@ -4,4 +4,5 @@ pytest_plugins = [
     "tests.fixtures.net",
     "tests.fixtures.gpu_exporter",
     "tests.fixtures.triton",
+    "tests.fixtures.deploy",
 ]

@@ -1,0 +1,506 @@
+"""deploy/kubernetes: every kustomization builds with the real kustomize (kubectl
+kustomize), the core objects validate against the Kubernetes schemas of a current
+release (kubernetes-validate, offline, strict: unknown fields fail), and the Prometheus
+Operator and KEDA objects carry their required fields and agree with the contract, the
+generated rules and dashboards, and each other."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+from pathlib import Path
+
+import kubernetes_validate
+import pytest
+import yaml
+from kubernetes_validate.utils import ValidationError as K8sValidationError
+
+from inferwatch import __version__, contract
+from inferwatch.cli import build_parser
+from sidecar import config as sidecar_config
+from tests.fixtures.deploy import K8S, OVERLAYS, ROOT, kustomize_build
+
+# The newest schemas the package ships; native sidecars need 1.29 or later.
+K8S_VERSION = kubernetes_validate.latest_version()
+CRD_GROUPS = ("monitoring.coreos.com/", "keda.sh/")
+KPS_RELEASE = {"release": "kube-prometheus-stack"}
+DASHBOARDS_DIR = ROOT / "dashboards" / "generated"
+PROMETHEUS_RULE = ROOT / "alert_rules" / "generated" / "prometheusrule.yaml"
+
+
+def of_kind(docs: list[dict], kind: str) -> list[dict]:
+    return [d for d in docs if d["kind"] == kind]
+
+
+def one(docs: list[dict], kind: str, name: str) -> dict:
+    found = [d for d in docs if d["kind"] == kind and d["metadata"]["name"] == name]
+    assert len(found) == 1, f"expected one {kind} {name}, found {len(found)}"
+    return found[0]
+
+
+def pod_spec(workload: dict) -> dict:
+    return workload["spec"]["template"]["spec"]
+
+
+def containers(workload: dict) -> list[dict]:
+    spec = pod_spec(workload)
+    return [*spec.get("initContainers", []), *spec["containers"]]
+
+
+def env_of(container: dict) -> dict[str, str]:
+    return {e["name"]: e["value"] for e in container.get("env", []) if "value" in e}
+
+
+def sidecar_of(docs: list[dict], deployment: str) -> dict:
+    (sc,) = [
+        c
+        for c in pod_spec(one(docs, "Deployment", deployment)).get("initContainers", [])
+        if c["name"] == "inferwatch-sidecar"
+    ]
+    return sc
+
+
+# ---------------------------------------------------------------------------------------
+# Building
+# ---------------------------------------------------------------------------------------
+def test_every_kustomization_builds() -> None:
+    """Bases, examples and overlays (components are built inside the overlays)."""
+    roots = []
+    for path in sorted(K8S.rglob("kustomization.yaml")):
+        if yaml.safe_load(path.read_text())["kind"] == "Kustomization":
+            roots.append(path.parent)
+            assert kustomize_build(path.parent), path
+    assert {p.relative_to(K8S).as_posix() for p in roots} >= {"base", "examples/triton", "overlays/example"}
+
+
+def test_overlays_hold_the_whole_deployment(overlay_builds: dict[str, list[dict]]) -> None:
+    assert set(OVERLAYS) == {"example", "example-hpa"}
+    for name, docs in overlay_builds.items():
+        kinds = {d["kind"] for d in docs}
+        assert kinds >= {
+            "DaemonSet",
+            "Deployment",
+            "Service",
+            "PodMonitor",
+            "ServiceMonitor",
+            "PrometheusRule",
+            "AlertmanagerConfig",
+            "ConfigMap",
+        }, name
+    assert of_kind(overlay_builds["example"], "ScaledObject")
+    assert not of_kind(overlay_builds["example"], "HorizontalPodAutoscaler")
+    assert of_kind(overlay_builds["example-hpa"], "HorizontalPodAutoscaler")
+    assert not of_kind(overlay_builds["example-hpa"], "ScaledObject")
+
+
+# ---------------------------------------------------------------------------------------
+# Schemas
+# ---------------------------------------------------------------------------------------
+def test_kubernetes_version_is_current() -> None:
+    major, minor = (int(x) for x in K8S_VERSION.split(".")[:2])
+    assert (major, minor) >= (1, 33), K8S_VERSION
+
+
+def test_core_objects_validate_against_kubernetes_schemas(overlay_builds: dict[str, list[dict]]) -> None:
+    checked = 0
+    for name, docs in overlay_builds.items():
+        for doc in docs:
+            if doc["apiVersion"].startswith(CRD_GROUPS):
+                continue
+            try:
+                kubernetes_validate.validate(doc, K8S_VERSION, strict=True)
+            except K8sValidationError as exc:
+                pytest.fail(
+                    f"{name}: {doc['kind']}/{doc['metadata']['name']}: {exc.message} at {list(exc.path)}"
+                )
+            checked += 1
+    assert checked >= 20
+
+
+def test_the_schema_check_rejects_what_kubernetes_would(overlay_builds: dict[str, list[dict]]) -> None:
+    """The validator is strict: a misspelt field or a wrong type in the sidecar fails it."""
+    doc = yaml.safe_load(yaml.safe_dump(one(overlay_builds["example"], "Deployment", "triton")))
+    pod_spec(doc)["initContainers"][0]["ports"][0]["containerPort"] = "iw-http"
+    with pytest.raises(K8sValidationError):
+        kubernetes_validate.validate(doc, K8S_VERSION, strict=True)
+    doc = yaml.safe_load(yaml.safe_dump(one(overlay_builds["example"], "Deployment", "triton")))
+    pod_spec(doc)["initContainers"][0]["restartPolicyy"] = "Always"
+    with pytest.raises(K8sValidationError):
+        kubernetes_validate.validate(doc, K8S_VERSION, strict=True)
+
+
+# Required fields and allowed keys of the custom resources, from the Prometheus Operator
+# (v1 and v1alpha1) and KEDA (v1alpha1) CRDs: what the operators reject or silently drop.
+def _check_keys(obj: dict, allowed: set[str], where: str) -> None:
+    unknown = set(obj) - allowed
+    assert not unknown, f"{where}: unknown fields {sorted(unknown)}"
+
+
+RELABEL_KEYS = {"action", "sourceLabels", "separator", "targetLabel", "regex", "modulus", "replacement"}
+MATCHER_KEYS = {"name", "value", "matchType"}
+MATCH_TYPES = {"=", "!=", "=~", "!~"}
+
+
+def _check_relabelings(rels: list[dict], where: str) -> None:
+    for r in rels:
+        _check_keys(r, RELABEL_KEYS, where)
+        assert r.get("action", "replace") in {
+            "replace", "keep", "drop", "hashmod", "labelmap", "labeldrop", "labelkeep",
+            "lowercase", "uppercase", "keepequal", "dropequal",
+        }, where  # fmt: skip
+
+
+def test_prometheus_operator_objects_carry_their_required_fields(
+    overlay_builds: dict[str, list[dict]],
+) -> None:
+    for name, docs in overlay_builds.items():
+        for pm in of_kind(docs, "PodMonitor"):
+            where = f"{name}: PodMonitor/{pm['metadata']['name']}"
+            assert pm["apiVersion"] == "monitoring.coreos.com/v1"
+            _check_keys(
+                pm["spec"], {"selector", "podMetricsEndpoints", "namespaceSelector", "jobLabel"}, where
+            )
+            assert pm["spec"]["selector"]["matchLabels"], where
+            assert pm["spec"]["podMetricsEndpoints"], where
+            for ep in pm["spec"]["podMetricsEndpoints"]:
+                _check_keys(
+                    ep, {"port", "portNumber", "path", "interval", "relabelings", "honorLabels"}, where
+                )
+                assert ("port" in ep) != ("portNumber" in ep), where
+                _check_relabelings(ep.get("relabelings", []), where)
+        for sm in of_kind(docs, "ServiceMonitor"):
+            where = f"{name}: ServiceMonitor/{sm['metadata']['name']}"
+            assert sm["apiVersion"] == "monitoring.coreos.com/v1"
+            _check_keys(sm["spec"], {"selector", "endpoints", "namespaceSelector", "jobLabel"}, where)
+            assert sm["spec"]["selector"]["matchLabels"] and sm["spec"]["endpoints"], where
+            for ep in sm["spec"]["endpoints"]:
+                _check_keys(ep, {"port", "path", "interval", "relabelings", "honorLabels"}, where)
+                assert ep["port"], where
+                _check_relabelings(ep.get("relabelings", []), where)
+        for pr in of_kind(docs, "PrometheusRule"):
+            where = f"{name}: PrometheusRule/{pr['metadata']['name']}"
+            assert pr["apiVersion"] == "monitoring.coreos.com/v1"
+            _check_keys(pr["spec"], {"groups"}, where)
+            for group in pr["spec"]["groups"]:
+                assert group["name"] and group["rules"], where
+                for rule in group["rules"]:
+                    assert ("alert" in rule) != ("record" in rule), f"{where}: {rule}"
+                    assert isinstance(rule["expr"], str) and rule["expr"].strip(), where
+        for amc in of_kind(docs, "AlertmanagerConfig"):
+            where = f"{name}: AlertmanagerConfig/{amc['metadata']['name']}"
+            assert amc["apiVersion"] == "monitoring.coreos.com/v1alpha1"
+            spec = amc["spec"]
+            _check_keys(spec, {"route", "receivers", "inhibitRules"}, where)
+            names = {r["name"] for r in spec["receivers"]}
+            routes = [spec["route"], *spec["route"].get("routes", [])]
+            for route in routes:
+                _check_keys(
+                    route,
+                    {
+                        "receiver",
+                        "groupBy",
+                        "groupWait",
+                        "groupInterval",
+                        "repeatInterval",
+                        "matchers",
+                        "routes",
+                    },
+                    where,
+                )
+                assert route["receiver"] in names, where
+                for m in route.get("matchers", []):
+                    _check_keys(m, MATCHER_KEYS, where)
+                    assert m["matchType"] in MATCH_TYPES and m["name"], where
+            for rule in spec["inhibitRules"]:
+                for m in [*rule["sourceMatch"], *rule["targetMatch"]]:
+                    _check_keys(m, MATCHER_KEYS, where)
+                    assert m["matchType"] in MATCH_TYPES, where
+            for r in spec["receivers"]:
+                for hook in r["webhookConfigs"]:
+                    assert hook["url"].startswith("http"), where
+                    cred = hook["httpConfig"]["authorization"]["credentials"]
+                    assert set(cred) == {"name", "key"}, where
+
+
+def test_keda_and_hpa_objects_carry_their_required_fields(overlay_builds: dict[str, list[dict]]) -> None:
+    docs = overlay_builds["example"]
+    for so in of_kind(docs, "ScaledObject"):
+        where = f"ScaledObject/{so['metadata']['name']}"
+        assert so["apiVersion"] == "keda.sh/v1alpha1"
+        spec = so["spec"]
+        _check_keys(
+            spec,
+            {
+                "scaleTargetRef", "minReplicaCount", "maxReplicaCount", "pollingInterval",
+                "cooldownPeriod", "advanced", "triggers", "fallback", "idleReplicaCount",
+            },
+            where,
+        )  # fmt: skip
+        assert spec["scaleTargetRef"]["name"], where
+        assert 0 < spec["minReplicaCount"] <= spec["maxReplicaCount"], where
+        assert spec["triggers"], where
+        for trig in spec["triggers"]:
+            assert trig["type"] == "prometheus", where
+            meta = trig["metadata"]
+            assert {"serverAddress", "query", "threshold"} <= set(meta), where
+            # KEDA reads trigger metadata as strings; a YAML number here is refused.
+            assert all(isinstance(v, str) for v in meta.values()), where
+            float(meta["threshold"])
+    for hpa in of_kind(overlay_builds["example-hpa"], "HorizontalPodAutoscaler"):
+        assert hpa["apiVersion"] == "autoscaling/v2"
+        assert {m["type"] for m in hpa["spec"]["metrics"]} <= {"Pods", "External", "Object", "Resource"}
+
+
+# ---------------------------------------------------------------------------------------
+# kube-prometheus-stack wiring
+# ---------------------------------------------------------------------------------------
+def test_kube_prometheus_stack_selects_every_monitoring_object(overlay_builds: dict[str, list[dict]]) -> None:
+    for name, docs in overlay_builds.items():
+        for kind in ("PodMonitor", "ServiceMonitor", "PrometheusRule", "AlertmanagerConfig"):
+            for d in of_kind(docs, kind):
+                assert d["metadata"]["labels"].items() >= KPS_RELEASE.items(), f"{name}: {kind}"
+                # In the namespace of kube-prometheus-stack's Prometheus and Alertmanager.
+                assert d["metadata"]["namespace"] == "monitoring", f"{name}: {kind}"
+
+
+def test_dashboards_are_configmaps_for_the_grafana_sidecar(overlay_builds: dict[str, list[dict]]) -> None:
+    generated = {p.name: p.read_text(encoding="utf-8") for p in DASHBOARDS_DIR.glob("*.json")}
+    assert len(generated) >= 3
+    for name, docs in overlay_builds.items():
+        maps = [
+            d for d in of_kind(docs, "ConfigMap") if d["metadata"].get("labels", {}).get("grafana_dashboard")
+        ]
+        found = {}
+        for cm in maps:
+            assert cm["metadata"]["labels"]["grafana_dashboard"] == "1"
+            assert cm["metadata"]["namespace"] == "monitoring"
+            # Client-side `kubectl apply` stores the object in a 256 KiB annotation.
+            assert len(yaml.safe_dump(cm).encode()) < 256 * 1024, cm["metadata"]["name"]
+            found.update(cm["data"])
+        assert found == generated, f"{name}: dashboards differ from dashboards/generated"
+
+
+def test_prometheus_rule_is_the_generated_one(overlay_builds: dict[str, list[dict]]) -> None:
+    want = yaml.safe_load(PROMETHEUS_RULE.read_text())
+    for name, docs in overlay_builds.items():
+        (got,) = of_kind(docs, "PrometheusRule")
+        assert got["spec"] == want["spec"], name
+        assert got["metadata"]["labels"].items() >= want["metadata"]["labels"].items(), name
+
+
+def test_alertmanager_config_routes_every_inferwatch_alert_by_severity(
+    overlay_builds: dict[str, list[dict]],
+) -> None:
+    (amc,) = of_kind(overlay_builds["example"], "AlertmanagerConfig")
+    top = amc["spec"]["route"]
+    (alertname,) = [m for m in top["matchers"] if m["name"] == "alertname"]
+    assert re.fullmatch(alertname["value"], contract.ALERT_HIGH_ERROR_RATE)
+    assert not re.fullmatch(alertname["value"], "KubePodCrashLooping")
+    for alert in contract.ALL_ALERTS:
+        assert re.fullmatch(alertname["value"], alert), alert
+    by_severity = {
+        m["value"]: r["receiver"] for r in top["routes"] for m in r["matchers"] if m["name"] == "severity"
+    }
+    assert set(by_severity) == set(contract.SEVERITIES)
+    # Secret the pager Deployment reads and the AlertmanagerConfig sends: the same one.
+    pager = one(overlay_builds["example"], "Deployment", "inferwatch-pager")
+    (token_env,) = [e for e in pager_container(pager).get("env", []) if e["name"] == "INFERWATCH_PAGER_TOKEN"]
+    ref = token_env["valueFrom"]["secretKeyRef"]
+    for r in amc["spec"]["receivers"]:
+        for hook in r["webhookConfigs"]:
+            assert hook["httpConfig"]["authorization"]["credentials"] == {
+                "name": ref["name"],
+                "key": ref["key"],
+            }
+            assert hook["url"] == f"http://inferwatch-pager:{contract.PORTS['pager']}/webhook"
+    service = one(overlay_builds["example"], "Service", "inferwatch-pager")
+    assert service["metadata"]["namespace"] == amc["metadata"]["namespace"]
+
+
+def pager_container(deployment: dict) -> dict:
+    (c,) = pod_spec(deployment)["containers"]
+    return c
+
+
+# ---------------------------------------------------------------------------------------
+# Ports, job names and selectors agree with the contract and with each other
+# ---------------------------------------------------------------------------------------
+def _relabelled_job(endpoint: dict) -> str:
+    (job,) = [r["replacement"] for r in endpoint.get("relabelings", []) if r.get("targetLabel") == "job"]
+    return job
+
+
+def _selects(selector: dict, labels: dict) -> bool:
+    return labels.items() >= selector["matchLabels"].items()
+
+
+def test_monitors_scrape_the_contract_jobs_on_ports_that_exist(overlay_builds: dict[str, list[dict]]) -> None:
+    for name, docs in overlay_builds.items():
+        triton = one(docs, "Deployment", "triton")
+        pod_labels = triton["spec"]["template"]["metadata"]["labels"]
+
+        sidecar_pm = one(docs, "PodMonitor", "inferwatch-sidecar")
+        (ep,) = sidecar_pm["spec"]["podMetricsEndpoints"]
+        assert _relabelled_job(ep) == contract.JOB_SIDECAR
+        assert _selects(sidecar_pm["spec"]["selector"], pod_labels), name
+        ports = {p["name"]: p["containerPort"] for p in sidecar_of(docs, "triton")["ports"]}
+        assert ports[ep["port"]] == contract.PORTS["sidecar_metrics"]
+
+        triton_pm = one(docs, "PodMonitor", "inferwatch-triton")
+        (ep,) = triton_pm["spec"]["podMetricsEndpoints"]
+        assert _relabelled_job(ep) == contract.JOB_TRITON
+        assert ep["portNumber"] == contract.PORTS["triton_metrics"]
+        assert _selects(triton_pm["spec"]["selector"], pod_labels), name
+        # The operator keeps only targets whose container declares the port.
+        declared = {p["containerPort"] for c in containers(triton) for p in c.get("ports", [])}
+        assert contract.PORTS["triton_metrics"] in declared
+
+        sm = one(docs, "ServiceMonitor", "inferwatch-gpu-exporter")
+        (ep,) = sm["spec"]["endpoints"]
+        assert _relabelled_job(ep) == contract.JOB_GPU_EXPORTER
+        assert ep["honorLabels"] is True  # the exporter's pod/namespace labels name GPU users
+        svc = one(docs, "Service", "inferwatch-gpu-exporter")
+        assert _selects(sm["spec"]["selector"], svc["metadata"]["labels"])
+        (svc_port,) = [p for p in svc["spec"]["ports"] if p["name"] == ep["port"]]
+        assert svc_port["port"] == contract.PORTS["gpu_exporter"]
+        ds = one(docs, "DaemonSet", "inferwatch-gpu-exporter")
+        assert svc["spec"]["selector"].items() <= ds["spec"]["template"]["metadata"]["labels"].items()
+
+
+def test_sidecar_is_a_native_sidecar_in_front_of_the_model_server(
+    overlay_builds: dict[str, list[dict]],
+) -> None:
+    for name, docs in overlay_builds.items():
+        sc = sidecar_of(docs, "triton")
+        assert sc["restartPolicy"] == "Always", name  # a native sidecar (Kubernetes 1.29+)
+        assert sc["image"].endswith(f":{__version__}")
+        # Its startup probe gates the model container's start, so it must not need Triton.
+        assert sc["startupProbe"]["httpGet"]["path"] == "/healthz"
+        assert sc["readinessProbe"]["httpGet"]["path"] == "/readyz"
+        # The real sidecar configuration parser reads the same environment.
+        env = env_of(sc)
+        spec_cm = [
+            v
+            for v in pod_spec(one(docs, "Deployment", "triton"))["volumes"]
+            if v["name"] == "inferwatch-spec"
+        ]
+        (cm_name,) = [v["configMap"]["name"] for v in spec_cm]
+        fleet = one(docs, "ConfigMap", cm_name)["data"]["fleet.yaml"]
+        assert fleet == (ROOT / "fleet.yaml").read_text()
+        local_spec = ROOT / "fleet.yaml"
+        args = build_parser().parse_args(sc["args"])
+        cfg = sidecar_config.from_args(args, {**env, "INFERWATCH_SPEC": str(local_spec)})
+        assert cfg.upstream_http == ("127.0.0.1", contract.PORTS["triton_http"])
+        assert cfg.upstream_grpc == ("127.0.0.1", contract.PORTS["triton_grpc"])
+        assert (cfg.http_port, cfg.grpc_port, cfg.metrics_port) == (
+            contract.PORTS["sidecar_http"],
+            contract.PORTS["sidecar_grpc"],
+            contract.PORTS["sidecar_metrics"],
+        )
+        assert cfg.spec.model("ranker") is not None
+        # The Service now reaches the sidecar; clients keep calling Triton's ports.
+        svc = one(docs, "Service", "triton")
+        sc_ports = {p["name"]: p["containerPort"] for p in sc["ports"]}
+        by_port = {p["port"]: p["targetPort"] for p in svc["spec"]["ports"]}
+        assert sc_ports[by_port[contract.PORTS["triton_http"]]] == contract.PORTS["sidecar_http"]
+        assert sc_ports[by_port[contract.PORTS["triton_grpc"]]] == contract.PORTS["sidecar_grpc"]
+        assert sc_ports[by_port[contract.PORTS["sidecar_metrics"]]] == contract.PORTS["sidecar_metrics"]
+        # Triton's inference ports are loopback-only, so nothing bypasses the sidecar.
+        (triton_c,) = pod_spec(one(docs, "Deployment", "triton"))["containers"]
+        assert (
+            "--http-address=127.0.0.1" in triton_c["args"] and "--grpc-address=127.0.0.1" in triton_c["args"]
+        )
+
+
+def test_inferwatch_containers_take_flags_the_cli_accepts(overlay_builds: dict[str, list[dict]]) -> None:
+    parser = build_parser()
+    for name, docs in overlay_builds.items():
+        for workload in [*of_kind(docs, "DaemonSet"), *of_kind(docs, "Deployment")]:
+            for c in containers(workload):
+                if "inferwatch" not in c["image"] or c["name"] == "inferwatch-sidecar":
+                    continue
+                args = parser.parse_args(c["args"])  # exits (fails the test) on an unknown flag
+                assert args.func, f"{name}: {c['name']}"
+                port = {p["containerPort"] for p in c["ports"]}
+                assert args.port in port, f"{name}: {c['name']} listens on {args.port}, declares {port}"
+
+
+def test_gpu_exporter_daemonset_runs_on_gpu_nodes_and_attribution_is_opt_in(
+    overlay_builds: dict[str, list[dict]],
+) -> None:
+    base = kustomize_build(K8S / "base")
+    plain = one(base, "DaemonSet", "inferwatch-gpu-exporter")
+    spec = pod_spec(plain)
+    assert {"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"} in spec["tolerations"]
+    assert spec["nodeSelector"] == {"nvidia.com/gpu.present": "true"}
+    (c,) = spec["containers"]
+    assert c["resources"]["requests"]["cpu"] and c["resources"]["requests"]["memory"]
+    assert c["resources"]["limits"]["memory"]
+    assert "nvidia.com/gpu" not in c["resources"].get("limits", {})  # never takes a GPU from a model
+    # Without the component: no host PID namespace, no host paths.
+    assert not spec.get("hostPID")
+    assert not [v for v in spec.get("volumes", []) if "hostPath" in v]
+
+    attributed = pod_spec(one(overlay_builds["example"], "DaemonSet", "inferwatch-gpu-exporter"))
+    assert attributed["hostPID"] is True
+    host_paths = {v["hostPath"]["path"] for v in attributed["volumes"] if "hostPath" in v}
+    assert host_paths == {"/var/log/pods", "/var/log/containers"}
+    (c,) = attributed["containers"]
+    assert all(m.get("readOnly") for m in c["volumeMounts"] if m["name"].startswith("kubelet"))
+    args = build_parser().parse_args(c["args"])
+    assert (args.proc_root, args.kubelet_log_dir) == ("/proc", "/var/log")
+
+
+def test_images_are_pinned(overlay_builds: dict[str, list[dict]]) -> None:
+    for docs in overlay_builds.values():
+        for workload in [*of_kind(docs, "DaemonSet"), *of_kind(docs, "Deployment")]:
+            for c in containers(workload):
+                image = c["image"]
+                assert "@sha256:" in image or re.search(r":[\w][\w.-]*$", image.rsplit("/", 1)[-1]), image
+                assert not image.endswith(":latest"), image
+                if "inferwatch" in image:
+                    assert image.endswith(f":{__version__}"), image
+    (triton,) = pod_spec(one(overlay_builds["example"], "Deployment", "triton"))["containers"]
+    assert triton["image"] == "nvcr.io/nvidia/tritonserver:24.10-py3"  # Triton 2.51
+
+
+# ---------------------------------------------------------------------------------------
+# Autoscaling
+# ---------------------------------------------------------------------------------------
+def test_scaledobject_scales_the_deployment_its_queries_select(
+    overlay_builds: dict[str, list[dict]], tmp_path: Path
+) -> None:
+    docs = overlay_builds["example"]
+    (so,) = of_kind(docs, "ScaledObject")
+    target = one(docs, "Deployment", so["spec"]["scaleTargetRef"]["name"])
+    assert target["metadata"]["namespace"] == so["metadata"]["namespace"]
+    metrics = set()
+    rules = []
+    for trig in so["spec"]["triggers"]:
+        query = trig["metadata"]["query"]
+        assert f'namespace="{so["metadata"]["namespace"]}"' in query, query
+        (pod_re,) = re.findall(r'pod=~"([^"]+)"', query)
+        # The pods of the Deployment (name-<replicaset hash>-<pod hash>), not a namesake.
+        assert re.fullmatch(pod_re, f"{target['metadata']['name']}-7d9c8b6f5d-x2x4q")
+        assert not re.fullmatch(pod_re, f"{target['metadata']['name']}-canary-7d9c8b6f5d-x2x4q")
+        metrics |= set(re.findall(r"\b([A-Za-z_]+)\{", query))
+        rules.append({"record": f"keda:check:{len(rules)}", "expr": query})
+    assert metrics == {contract.REQUESTS_IN_FLIGHT.name, contract.DCGM_GPU_UTIL.name}
+    # The real promtool parses every query.
+    path = tmp_path / "keda.rules.yml"
+    path.write_text(yaml.safe_dump({"groups": [{"name": "keda", "rules": rules}]}))
+    proc = subprocess.run(
+        ["promtool", "check", "rules", str(path)], capture_output=True, text=True, timeout=60
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    address = so["spec"]["triggers"][0]["metadata"]["serverAddress"]
+    assert address.endswith(f":{contract.PORTS['prometheus']}"), address
+
+
+def test_hpa_scales_the_deployment_on_contract_metrics(overlay_builds: dict[str, list[dict]]) -> None:
+    docs = overlay_builds["example-hpa"]
+    (hpa,) = of_kind(docs, "HorizontalPodAutoscaler")
+    target = one(docs, "Deployment", hpa["spec"]["scaleTargetRef"]["name"])
+    assert target["metadata"]["namespace"] == hpa["metadata"]["namespace"]
+    names = {m[m["type"].lower()]["metric"]["name"] for m in hpa["spec"]["metrics"]}
+    assert names == {contract.REQUESTS_IN_FLIGHT.name, contract.DCGM_GPU_UTIL.name}
