@@ -12,8 +12,11 @@ Counting (one observation per request, each closed by exactly one ``Telemetry.en
   in-stream error) for that message, matched by the request ``id`` (first in, first out among
   equal ids, so a stream whose requests carry no id is matched in order). Messages still open
   when the stream ends are closed with the stream's final status;
-- methods outside the service (e.g. ``grpc.health.v1``) are forwarded as streams and counted
-  once per call with no model.
+- ``grpc.health.v1.Health/Check`` is proxied like a server-level method (no model); any other
+  method is forwarded as a bidirectional stream (which carries every call shape) and counted
+  once per call with no model. One gRPC quirk applies there: when the upstream ends such a call
+  before it has read the request (an unknown method's UNIMPLEMENTED), grpc's client may report
+  INTERNAL "Internal error from Core" in place of the upstream's code.
 """
 
 from __future__ import annotations
@@ -59,6 +62,8 @@ UNARY_METHODS: dict[str, tuple[int, int]] = {
     "LogSettings": (0, 0),
 }
 STREAM_METHOD = "ModelStreamInfer"  # ModelInferRequest in, ModelStreamInferResponse out
+# Unary methods of other services that Triton serves: proxied like the service's own.
+EXTRA_UNARY_PATHS = ("/grpc.health.v1.Health/Check",)
 
 # Metadata that must not be copied onto the upstream call: gRPC sets these itself.
 _DROP_METADATA = frozenset({"user-agent", "te", "content-type", "grpc-timeout", "grpc-encoding"})
@@ -233,6 +238,10 @@ class GrpcProxy:
             self._handlers[path] = grpc.unary_unary_rpc_method_handler(
                 self._unary(upstream, path, name_field, version_field)
             )
+        for path in EXTRA_UNARY_PATHS:
+            self._handlers[path] = grpc.unary_unary_rpc_method_handler(
+                self._unary(channel.unary_unary(path), path, 0, 0)
+            )
         path = f"/{SERVICE}/{STREAM_METHOD}"
         self._handlers[path] = grpc.stream_stream_rpc_method_handler(
             self._stream_infer(channel.stream_stream(path), path)
@@ -333,6 +342,8 @@ class GrpcProxy:
                         queue = pending[rid] = collections.deque()
                     queue.append((obs, len(msg)))
                     open_count += 1
+                    if call.done():
+                        break
                     await call.write(msg)
                 await call.done_writing()
 
@@ -384,10 +395,9 @@ class GrpcProxy:
                 pumper.cancel()
                 close_all(self._client_gone_code(context))
                 raise
-            if not pumper.done():
-                pumper.cancel()
-            elif not pumper.cancelled() and pumper.exception() is not None and code is _OK:
+            if pumper.done() and not pumper.cancelled() and pumper.exception() is not None and code is _OK:
                 code = _INTERNAL
+            _let_finish(pumper)
             close_all(code)
             if code is not _OK:
                 context.set_code(code)
@@ -414,6 +424,8 @@ class GrpcProxy:
                 nonlocal sent
                 async for msg in requests:
                     sent += len(msg)
+                    if call.done():
+                        break
                     await call.write(msg)
                 await call.done_writing()
 
@@ -431,10 +443,7 @@ class GrpcProxy:
                 name, outcome = codes[self._client_gone_code(context)]
                 tel.end(obs, name, outcome, sent, received)
                 raise
-            if not pumper.done():
-                pumper.cancel()
-            elif not pumper.cancelled():
-                pumper.exception()  # retrieved: the call's status already says what happened
+            _let_finish(pumper)
             name, outcome = codes[code]
             tel.end(obs, name, outcome, sent, received)
             if code is not _OK:
@@ -445,6 +454,20 @@ class GrpcProxy:
                 context.set_trailing_metadata(tuple(trailing))
 
         return handler
+
+
+def _let_finish(pump: asyncio.Task) -> None:
+    """Leave a request pump to end by itself once the upstream has answered.
+
+    Cancelling it while it waits on the client's next message can race the server call's own
+    completion (the client then sees INTERNAL instead of the upstream's status); once the call
+    ends, the pending read ends too. Its exception, if any, only repeats the call's status.
+    """
+    if pump.done():
+        if not pump.cancelled():
+            pump.exception()
+    else:
+        pump.add_done_callback(lambda t: t.cancelled() or t.exception())
 
 
 class _Router(grpc.GenericRpcHandler):

@@ -73,7 +73,8 @@ def test_the_method_table_matches_triton_proto() -> None:
     assert set(unary) == set(UNARY_METHODS)
     for name, (name_field, version_field) in UNARY_METHODS.items():
         fields = {f.number: f for f in unary[name].input_type.fields}
-        for number, wanted in ((name_field, ("name", "model_name")), (version_field, ("version", "model_version"))):
+        names = ((name_field, ("name", "model_name")), (version_field, ("version", "model_version")))
+        for number, wanted in names:
             if number:
                 assert fields[number].name in wanted, (name, number)
                 assert fields[number].type == fields[number].TYPE_STRING

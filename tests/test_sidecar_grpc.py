@@ -1,0 +1,511 @@
+"""The gRPC proxy against the real Triton: tritonclient.grpc through the proxy sees what it sees
+directly (unary, binary tensors, streaming, metadata and config calls, errors), and the proxy's
+counters equal what the client saw.
+
+The proxy runs in-process on its own uvloop thread (as ``inferwatch sidecar`` runs it) with a real
+``Telemetry`` on a fresh registry per test, so counts are exact; the sidecar process as a whole
+is covered by the sidecar suites.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import queue
+import subprocess
+import threading
+import time
+from collections import Counter
+from collections.abc import Iterator
+from pathlib import Path
+
+import grpc
+import numpy as np
+import pytest
+import tritonclient.grpc as tgrpc
+import uvloop
+from prometheus_client import CollectorRegistry
+from tritonclient.grpc import service_pb2 as pb
+from tritonclient.utils import InferenceServerException
+
+from inferwatch import contract
+from reference_server.catalog import MODELS, example_input
+from reference_server.launcher import TritonServer
+from sidecar.config import SidecarConfig
+from sidecar.grpc_proxy import GrpcProxy
+from sidecar.telemetry import UPSTREAM_GRPC, Telemetry
+from tests.fixtures.net import free_port, inferwatch_cmd
+
+pytestmark = pytest.mark.integration
+
+REQUESTS = contract.REQUESTS_TOTAL.name
+IN_FLIGHT = contract.REQUESTS_IN_FLIGHT.name
+UP = contract.UPSTREAM_UP.name
+SERVICE = "/inference.GRPCInferenceService/"
+TRACEPARENT = "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"
+
+
+class LoopThread:
+    """One uvloop for every proxy of the module: grpc.aio binds its completion queue to the
+    loops it has seen, so loops are not created and closed per test."""
+
+    def __init__(self) -> None:
+        self.loop = uvloop.new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_forever, name="grpc-proxy", daemon=True)
+        self.thread.start()
+
+    def stop(self) -> None:
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(10)
+
+
+class InProcessProxy:
+    """``GrpcProxy`` with a real ``Telemetry``, served from the shared event-loop thread."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, upstream: str, **kwargs) -> None:
+        self.registry = CollectorRegistry()
+        self.telemetry = Telemetry(self.registry, SidecarConfig())
+        self.loop = loop
+        self.proxy = GrpcProxy(upstream, self.telemetry, **kwargs)
+        self.url = f"127.0.0.1:{self.run(self.proxy.start('127.0.0.1', 0))}"
+
+    def run(self, coro, timeout: float = 30.0):
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
+
+    def serve_models(self, models: dict[str, list[str]]) -> None:
+        """What sidecar.main's refresher does with the upstream's repository index."""
+        self.loop.call_soon_threadsafe(self.telemetry.update_models, models)
+
+    def close(self) -> None:
+        self.run(self.proxy.stop(0))
+
+    def count(self, model: str, code: str, outcome: str, version: str = "") -> float:
+        labels = {"model": model, "version": version, "protocol": "grpc", "code": code, "outcome": outcome}
+        return self.registry.get_sample_value(REQUESTS, labels) or 0.0
+
+    def counts(self) -> Counter:
+        """(model, version, code, outcome) -> requests counted."""
+        out: Counter = Counter()
+        for family in self.registry.collect():
+            for s in family.samples:
+                if s.name == REQUESTS:
+                    key = (s.labels["model"], s.labels["version"], s.labels["code"], s.labels["outcome"])
+                    out[key] += int(s.value)
+        return out
+
+    def in_flight(self) -> float:
+        return sum(s.value for f in self.registry.collect() for s in f.samples if s.name == IN_FLIGHT)
+
+    def upstream_up(self) -> float | None:
+        return self.registry.get_sample_value(UP, {"upstream": UPSTREAM_GRPC})
+
+
+def wait_for(predicate, timeout: float = 10.0, what: str = "condition"):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(0.02)
+    raise AssertionError(f"{what} not reached after {timeout}s")
+
+
+@pytest.fixture(scope="module")
+def loop() -> Iterator[asyncio.AbstractEventLoop]:
+    thread = LoopThread()
+    try:
+        yield thread.loop
+    finally:
+        thread.stop()
+
+
+@pytest.fixture(scope="module")
+def served(triton) -> dict[str, list[str]]:
+    index = tgrpc.InferenceServerClient(triton.grpc_url).get_model_repository_index(as_json=True)
+    out: dict[str, list[str]] = {}
+    for entry in index["models"]:
+        out.setdefault(entry["name"], []).append(entry.get("version", ""))
+    return out
+
+
+@pytest.fixture
+def proxy(loop, triton, served) -> Iterator[InProcessProxy]:
+    p = InProcessProxy(loop, triton.grpc_url)
+    p.serve_models(served)
+    try:
+        yield p
+    finally:
+        p.close()
+
+
+@pytest.fixture
+def clients(triton, proxy) -> Iterator[tuple[tgrpc.InferenceServerClient, tgrpc.InferenceServerClient]]:
+    direct = tgrpc.InferenceServerClient(triton.grpc_url)
+    via = tgrpc.InferenceServerClient(proxy.url)
+    try:
+        yield direct, via
+    finally:
+        direct.close()
+        via.close()
+
+
+def fault(state_dir: Path, *args: str) -> None:
+    subprocess.run(
+        inferwatch_cmd("fault", *args, "--state-dir", str(state_dir)),
+        check=True,
+        capture_output=True,
+        timeout=30,
+    )
+
+
+def infer_inputs(model: str, batch: int = 1, seed: int = 0) -> list[tgrpc.InferInput]:
+    tensors = []
+    for t in MODELS[model].inputs:
+        data = example_input(model, batch=batch, seed=seed)[t.name]
+        tensor = tgrpc.InferInput(t.name, list(data.shape), t.datatype)
+        tensor.set_data_from_numpy(data)  # binary tensor data (raw_input_contents)
+        tensors.append(tensor)
+    return tensors
+
+
+def raw_infer_request(model: str, version: str = "") -> bytes:
+    """A valid ModelInferRequest as bytes, for calls made without tritonclient."""
+    req = pb.ModelInferRequest(model_name=model, model_version=version)
+    for t in MODELS[model].inputs:
+        data = example_input(model, seed=0)[t.name]
+        req.inputs.add(name=t.name, datatype=t.datatype, shape=list(data.shape))
+        req.raw_input_contents.append(data.tobytes())
+    return req.SerializeToString()
+
+
+def outputs_of(result: tgrpc.InferResult, model: str) -> np.ndarray:
+    return result.as_numpy(MODELS[model].output.name)
+
+
+def error_of(fn, *args, **kwargs) -> tuple[str, str]:
+    with pytest.raises(InferenceServerException) as info:
+        fn(*args, **kwargs)
+    return info.value.status(), info.value.message()
+
+
+# --------------------------------------------------------------------------- unary
+
+
+def test_unary_methods_give_identical_answers(clients, proxy) -> None:
+    direct, via = clients
+    for name in ("is_server_live", "is_server_ready"):
+        assert getattr(via, name)() is getattr(direct, name)() is True
+    assert via.get_server_metadata(as_json=True) == direct.get_server_metadata(as_json=True)
+    assert via.get_model_repository_index(as_json=True) == direct.get_model_repository_index(as_json=True)
+    for model, info in MODELS.items():
+        assert via.is_model_ready(model) is direct.is_model_ready(model) is True
+        assert via.get_model_config(model, as_json=True) == direct.get_model_config(model, as_json=True)
+        for version in info.versions:
+            assert via.get_model_metadata(model, version, as_json=True) == direct.get_model_metadata(
+                model, version, as_json=True
+            )
+
+    counts = proxy.counts()
+    assert counts[("", "", "OK", "success")] == 4  # live, ready, server metadata, repository index
+    assert counts[("ranker", "", "OK", "success")] == 2  # ready + config
+    assert counts[("ranker", "1", "OK", "success")] == counts[("ranker", "2", "OK", "success")] == 1
+    assert sum(counts.values()) == 4 + sum(2 + len(i.versions) for i in MODELS.values())
+
+
+def test_inference_with_binary_tensors_is_byte_identical(clients, proxy) -> None:
+    direct, via = clients
+    sent = 0
+    for model, info in MODELS.items():
+        for version in info.versions:
+            for batch in (1, 3):
+                inputs = infer_inputs(model, batch=batch, seed=batch)
+                a = direct.infer(model, inputs, model_version=version, request_id=f"{model}-{batch}")
+                b = via.infer(
+                    model,
+                    inputs,
+                    model_version=version,
+                    request_id=f"{model}-{batch}",
+                    headers={"traceparent": TRACEPARENT},
+                )
+                assert outputs_of(b, model).tobytes() == outputs_of(a, model).tobytes()
+                assert b.get_response(as_json=True) == a.get_response(as_json=True)
+                assert proxy.count(model, "OK", "success", version) == (2 if batch == 3 else 1)
+                sent += 1
+    assert sum(proxy.counts().values()) == sent
+    assert proxy.in_flight() == 0
+    byte_samples = {
+        s.labels["model"]: s.value
+        for f in proxy.registry.collect()
+        for s in f.samples
+        if s.name == contract.REQUEST_BYTES.name
+    }
+    assert byte_samples["dense_batched"] > 2 * 4 * MODELS["dense_batched"].input.shape[0]
+
+
+def test_unknown_model_and_bad_input_pass_triton_codes_through(clients, proxy) -> None:
+    direct, via = clients
+    inputs = infer_inputs("ranker")
+    seen = []
+    for call in (
+        lambda c: c.infer("no_such_model", inputs),
+        lambda c: c.get_model_metadata("no_such_model"),
+        lambda c: c.infer("ranker", inputs, model_version="99"),
+    ):
+        seen.append(error_of(call, via))
+        assert seen[-1] == error_of(call, direct)
+    unknown_version_code = seen[2][0].removeprefix("StatusCode.")
+    bad = tgrpc.InferInput("NOT_AN_INPUT", [1, 16, 32], "FP32")
+    bad.set_data_from_numpy(np.zeros((1, 16, 32), np.float32))
+    status, message = error_of(via.infer, "ranker", [bad])
+    assert (status, message) == error_of(direct.infer, "ranker", [bad])
+    assert status == "StatusCode.INVALID_ARGUMENT"
+
+    counts = proxy.counts()
+    # Names Triton does not serve collapse into the overflow label; the code is Triton's.
+    assert counts[(contract.MODEL_OVERFLOW, "", "NOT_FOUND", "client_error")] == 2
+    # An unserved version of a served model keeps the model and collapses the version.
+    assert counts[("ranker", contract.MODEL_OVERFLOW, unknown_version_code, "client_error")] == 1
+    assert counts[("ranker", "", "INVALID_ARGUMENT", "client_error")] == 1
+
+
+def test_injected_errors_are_identical_and_counted_as_server_errors(triton, clients, proxy) -> None:
+    direct, via = clients
+    fault(triton.state_dir, "set", "--model", "ranker", "--version", "2", "--error-rate", "1")
+    try:
+        inputs = infer_inputs("ranker")
+        got = error_of(via.infer, "ranker", inputs, model_version="2")
+        assert got == error_of(direct.infer, "ranker", inputs, model_version="2")
+        assert got[0] == "StatusCode.INTERNAL" and "injected" in got[1]
+        assert via.infer("ranker", inputs, model_version="1").as_numpy("SCORES") is not None
+    finally:
+        fault(triton.state_dir, "clear", "--model", "ranker")
+    assert proxy.count("ranker", "INTERNAL", "server_error", "2") == 1
+    assert proxy.count("ranker", "OK", "success", "1") == 1
+
+
+def test_malformed_request_bytes_get_tritons_answer(triton, proxy) -> None:
+    def raw(url: str) -> tuple[grpc.StatusCode, str]:
+        with grpc.insecure_channel(url) as channel:
+            call = channel.unary_unary(SERVICE + "ModelInfer")
+            with pytest.raises(grpc.RpcError) as info:
+                call(b"\x0a\x50truncated", timeout=10)
+            return info.value.code(), info.value.details()
+
+    got = raw(proxy.url)
+    assert got == raw(triton.grpc_url)
+    assert proxy.count("", got[0].name, Telemetry.outcome_for_grpc(got[0].name)) == 1
+
+
+def test_methods_outside_the_service_pass_through(triton, proxy) -> None:
+    """grpc.health.v1 (Triton serves it) answers the same bytes; an unknown method gets an error
+    status (not a hang) and is counted with the code the client saw."""
+
+    def call(url: str, method: str) -> tuple[str, bytes | None]:
+        with grpc.insecure_channel(url) as channel:
+            try:
+                return "OK", channel.unary_unary(method)(b"", timeout=10)
+            except grpc.RpcError as exc:
+                return exc.code().name, None
+
+    health = "/grpc.health.v1.Health/Check"
+    assert call(proxy.url, health) == call(triton.grpc_url, health) == ("OK", b"\x08\x01")  # SERVING
+    assert proxy.count("", "OK", "success") == 1
+    code, _ = call(proxy.url, "/inference.NoSuchService/Nothing")
+    # UNIMPLEMENTED from Triton; INTERNAL when grpc's client loses that race (module docstring).
+    assert code in ("UNIMPLEMENTED", "INTERNAL")
+    assert proxy.count("", code, Telemetry.outcome_for_grpc(code)) == 1
+
+
+# --------------------------------------------------------------------------- streaming
+
+
+def stream_results(client: tgrpc.InferenceServerClient, requests: list[dict], headers=None) -> dict:
+    """Send each request on one ModelStreamInfer stream; id -> ("ok", output bytes) | ("error", message)."""
+    answers: queue.Queue = queue.Queue()
+    client.start_stream(lambda result, error: answers.put((result, error)), headers=headers)
+    try:
+        for req in requests:
+            client.async_stream_infer(**req)
+        out = {}
+        for _ in requests:
+            result, error = answers.get(timeout=30)
+            if error is not None:
+                out[len(out)] = ("error", error.message())
+            else:
+                rid = result.get_response().id
+                model = result.get_response().model_name
+                out[rid] = ("ok", outputs_of(result, model).tobytes())
+        return out
+    finally:
+        client.stop_stream()
+
+
+def test_stream_results_identical_and_each_message_counted(clients, proxy) -> None:
+    direct, via = clients
+    bad = tgrpc.InferInput("NOT_AN_INPUT", [1, 16, 32], "FP32")
+    bad.set_data_from_numpy(np.zeros((1, 16, 32), np.float32))
+    requests = [
+        *(
+            {
+                "model_name": "ranker",
+                "inputs": infer_inputs("ranker", seed=i),
+                "model_version": v,
+                "request_id": f"r{v}-{i}",
+            }
+            for i in range(3)
+            for v in ("1", "2")
+        ),
+        {"model_name": "dense_batched", "inputs": infer_inputs("dense_batched", batch=2), "request_id": "d"},
+        {"model_name": "no_such_model", "inputs": infer_inputs("ranker"), "request_id": "missing"},
+        {"model_name": "ranker", "inputs": [bad], "request_id": "bad"},
+    ]
+    got = stream_results(via, requests, headers={"traceparent": TRACEPARENT})
+    assert got == stream_results(direct, requests)
+    assert sum(1 for kind, _ in got.values() if kind == "ok") == 7
+
+    wait_for(lambda: proxy.in_flight() == 0, what="stream observations closed")
+    counts = proxy.counts()
+    assert counts[("ranker", "1", "OK", "success")] == 3
+    assert counts[("ranker", "2", "OK", "success")] == 3
+    assert counts[("dense_batched", "", "OK", "success")] == 1
+    assert counts[(contract.MODEL_OVERFLOW, "", "NOT_FOUND", "client_error")] == 1
+    assert counts[("ranker", "", "INVALID_ARGUMENT", "client_error")] == 1
+    assert sum(counts.values()) == len(requests)
+
+
+def test_stream_injected_errors_and_triton_grpc_error_metadata(triton, clients, proxy) -> None:
+    """An in-stream error counts as INTERNAL; the client's ``triton_grpc_error`` metadata reaches
+    Triton through the proxy (it then ends the stream with the real status, as it does direct)."""
+    direct, via = clients
+    fault(triton.state_dir, "set", "--model", "ranker", "--version", "2", "--error-rate", "1")
+    try:
+        requests = [
+            {
+                "model_name": "ranker",
+                "inputs": infer_inputs("ranker"),
+                "model_version": "2",
+                "request_id": "x",
+            }
+        ]
+        got = stream_results(via, requests)
+        assert got == stream_results(direct, requests)
+        assert got[0][0] == "error" and "injected" in got[0][1]
+
+        def with_status(client) -> str:
+            answers: queue.Queue = queue.Queue()
+            client.start_stream(
+                lambda result, error: answers.put(error), headers={"triton_grpc_error": "true"}
+            )
+            client.async_stream_infer(**requests[0])
+            error = answers.get(timeout=30)
+            client.stop_stream()
+            return error.status()
+
+        assert with_status(via) == with_status(direct) == "StatusCode.INTERNAL"
+    finally:
+        fault(triton.state_dir, "clear", "--model", "ranker")
+    wait_for(lambda: proxy.in_flight() == 0, what="stream observations closed")
+    assert proxy.count("ranker", "INTERNAL", "server_error", "2") == 2
+
+
+# --------------------------------------------------------------------------- deadlines, cancel
+
+
+def test_client_deadline_and_proxy_timeout(loop, triton, served) -> None:
+    fault(triton.state_dir, "set", "--model", "ranker", "--version", "1", "--extra-latency-ms", "1500")
+    short = InProcessProxy(loop, triton.grpc_url, timeout_s=0.3)
+    long = InProcessProxy(loop, triton.grpc_url)
+    try:
+        short.serve_models(served)
+        long.serve_models(served)
+        inputs = infer_inputs("ranker")
+        # The client's deadline travels upstream.
+        started = time.monotonic()
+        status, _ = error_of(
+            tgrpc.InferenceServerClient(long.url).infer,
+            "ranker",
+            inputs,
+            model_version="1",
+            client_timeout=0.3,
+        )
+        assert status == "StatusCode.DEADLINE_EXCEEDED" and time.monotonic() - started < 1.2
+        # No client deadline: the proxy's per-request timeout ends the call.
+        started = time.monotonic()
+        status, _ = error_of(
+            tgrpc.InferenceServerClient(short.url).infer, "ranker", inputs, model_version="1"
+        )
+        assert status == "StatusCode.DEADLINE_EXCEEDED" and time.monotonic() - started < 1.2
+    finally:
+        fault(triton.state_dir, "clear", "--model", "ranker")
+    for p in (short, long):
+        wait_for(
+            lambda p=p: p.count("ranker", "DEADLINE_EXCEEDED", "server_error", "1") == 1,
+            what="deadline counted",
+        )
+        assert p.in_flight() == 0
+        p.close()
+
+
+def test_client_cancel_is_counted_and_releases_the_request(triton, proxy) -> None:
+    fault(triton.state_dir, "set", "--model", "ranker", "--extra-latency-ms", "2000")
+    try:
+        request = raw_infer_request("ranker", "1")
+        with grpc.insecure_channel(proxy.url) as channel:
+            future = channel.unary_unary(SERVICE + "ModelInfer").future(request, timeout=30)
+            wait_for(lambda: proxy.in_flight() == 1, what="request in flight")
+            future.cancel()
+            wait_for(
+                lambda: proxy.count("ranker", "CANCELLED", "client_error", "1") == 1,
+                timeout=1.0,
+                what="cancel",
+            )
+        assert proxy.in_flight() == 0
+    finally:
+        fault(triton.state_dir, "clear", "--model", "ranker")
+
+
+def test_message_size_limit(loop, triton, served) -> None:
+    small = InProcessProxy(loop, triton.grpc_url, max_message_bytes=64 * 1024)
+    try:
+        small.serve_models(served)
+        client = tgrpc.InferenceServerClient(small.url)
+        status, _ = error_of(client.infer, "dense_batched", infer_inputs("dense_batched", batch=8))
+        assert status == "StatusCode.RESOURCE_EXHAUSTED"
+        # The proxy is unharmed: a request under the limit passes.
+        assert client.infer("ranker", infer_inputs("ranker")).as_numpy("SCORES") is not None
+    finally:
+        small.close()
+
+
+# --------------------------------------------------------------------------- dead upstream
+
+
+def test_dead_upstream_is_unavailable_fast_counted_and_recovers(loop, tmp_path) -> None:
+    port = free_port()
+    p = InProcessProxy(loop, f"127.0.0.1:{port}", reconnect_backoff_max_s=0.5)
+    try:
+        client = tgrpc.InferenceServerClient(p.url)
+        for _ in range(5):
+            started = time.monotonic()
+            status, _ = error_of(client.is_server_ready, client_timeout=10)
+            assert status == "StatusCode.UNAVAILABLE" and time.monotonic() - started < 0.5
+        assert p.count("", "UNAVAILABLE", "server_error") == 5
+        wait_for(lambda: p.upstream_up() == 0, what="upstream_up 0")
+
+        # The upstream comes back on the same address: traffic flows again without a restart.
+        server = TritonServer(
+            grpc_port=port,
+            http_port=free_port(),
+            metrics_port=free_port(),
+            state_dir_path=tmp_path,
+            extra_args=("--model-control-mode=explicit", "--load-model=ranker"),
+        ).start()
+        try:
+            wait_for(lambda: p.upstream_up() == 1, timeout=5, what="upstream_up 1")
+            result = client.infer("ranker", infer_inputs("ranker"), model_version="1")
+            assert result.as_numpy("SCORES") is not None
+        finally:
+            server.stop()
+        assert p.count("", "UNAVAILABLE", "server_error") == 5
+        assert p.in_flight() == 0
+    finally:
+        p.close()
