@@ -101,7 +101,8 @@ ERROR_RESPONSES = {(s, c): _error_bytes(s, m, c) for s, m in _ERRORS.items() for
 OVERLOAD_RESPONSE = _error_bytes(503, "overloaded: the sidecar is at its request limit", True)
 OVERLOAD_BODY_LEN = len(b'{"error":"overloaded: the sidecar is at its request limit"}')
 
-_IDLE, _HEAD, _BODY, _WAIT = 0, 1, 2, 3  # what a client connection's deadline guards
+_IDLE, _HEAD, _BODY, _WAIT, _LINGER = 0, 1, 2, 3, 4  # what a client connection's deadline guards
+LINGER_SECONDS = 2.0  # after an early answer, unread input is drained this long so it is not lost to a reset
 
 
 class _Reject(Exception):
@@ -226,6 +227,7 @@ class Exchange:
             return
         self.attach(conn)
         self.flush()
+        self.client.update_reading()
 
     def attach(self, conn: UpstreamConn) -> None:
         self.upstream = conn
@@ -288,7 +290,8 @@ class Exchange:
                 parts.append(b"transfer-encoding: chunked\r\n")
                 self.resp_chunked = True
             self.resp_eof = not chunked
-        if self.close_after or not client.keep_alive:
+        if self.close_after or not client.keep_alive or (client.eof and len(client.exchanges) == 1):
+            self.close_after = True
             parts.append(b"connection: close\r\n")
         elif self.version10:
             parts.append(b"connection: keep-alive\r\n")
@@ -488,7 +491,8 @@ class ClientConn(asyncio.Protocol):
         self.head_size = 0
         self.raw_head = 0
         self.in_head = False
-        self.keep_alive = True
+        self.keep_alive = True  # False once draining: each answer then closes its connection
+        self.eof = False
         self.msg_start = 0.0
         self.deadline = 0.0
         self.dl_kind = _IDLE
@@ -550,6 +554,12 @@ class ClientConn(asyncio.Protocol):
             if ex.upstream is not None:
                 ex.flush()
             self.update_reading()
+
+    def eof_received(self) -> bool | None:
+        self.eof = True
+        if self.exchanges and not self.closed:
+            return True  # a half-closed client still gets its answer, then the connection closes
+        return None
 
     def pause_writing(self) -> None:
         self.write_paused = True
@@ -613,9 +623,6 @@ class ClientConn(asyncio.Protocol):
             except httptools.HttpParserInvalidURLError:
                 raise _Reject(400) from None
         model, version, route = proxy.route(path)
-        keep_alive = parser.should_keep_alive() and not proxy.draining
-        if not keep_alive:
-            self.keep_alive = False
 
         tp = None
         chunked = False
@@ -675,9 +682,11 @@ class ClientConn(asyncio.Protocol):
         lines.append(b"\r\n")
         ex = Exchange(self, tel, b"".join(lines), chunked, method == b"HEAD")
         ex.version10 = parser.get_http_version() == "1.0"
+        ex.close_after = not parser.should_keep_alive()
         self.parsing = ex
         self.exchanges.append(ex)
         proxy.in_flight += 1
+        proxy.requests += 1
 
         if length > config.max_body_bytes:
             raise _Reject(413)
@@ -739,12 +748,10 @@ class ClientConn(asyncio.Protocol):
                 pass
         if self.closed:
             return
-        if ex.close_after or not self.keep_alive:
-            self.closed = True
-            self.proxy.conns.discard(self)
+        if ex.close_after or not self.keep_alive or (self.eof and not self.exchanges):
             while self.exchanges:
                 self.exchanges.popleft().cancel()
-            self.transport.close()
+            self.shutdown(linger=not ex.req_complete)
             return
         if self.exchanges:
             nxt = self.exchanges[0]
@@ -772,20 +779,36 @@ class ClientConn(asyncio.Protocol):
             tel = self.proxy.telemetry.begin("", "", PROTOCOL)
             self.proxy.telemetry.end(tel, STATUS_STR[status], self.proxy.telemetry.outcome_for_http(status))
             self.transport.write(ERROR_RESPONSES[(status, True)])
+        self.shutdown(linger=status in (413, 431))
+
+    def shutdown(self, linger: bool) -> None:
+        """Close after what is written; with ``linger``, first half-close and discard what the
+        client is still sending, so the answer is not destroyed by a reset (as nginx does)."""
         self.closed = True
+        if linger and self.transport.can_write_eof() and not self.transport.is_closing():
+            self.transport.write_eof()
+            if self.reading_paused:
+                self.reading_paused = False
+                self.transport.resume_reading()
+            self.dl_kind = _LINGER
+            self.deadline = self.proxy.loop.time() + LINGER_SECONDS
+            return
         self.proxy.conns.discard(self)
         self.transport.close()
 
     def sweep(self, now: float) -> None:
         """Enforce the slow-client and keep-alive deadlines and the request timeout."""
-        if self.exchanges:
+        if self.exchanges and not self.closed:
             ex = self.exchanges[0]
             if now > ex.deadline and ex.deadline:
                 ex.fail(504)
                 return
         if self.dl_kind == _WAIT or now <= self.deadline:
             return
-        if self.dl_kind == _IDLE:
+        if self.reading_paused and self.dl_kind == _BODY:
+            self.deadline = now + self.proxy.config.body_timeout  # our backpressure, not a slow client
+            return
+        if self.dl_kind in (_IDLE, _LINGER):
             self.closed = True
             self.proxy.conns.discard(self)
             self.transport.close()
@@ -810,6 +833,7 @@ class HttpProxy:
         self.pool: list[UpstreamConn] = []
         self.conns: set[ClientConn] = set()
         self.in_flight = 0
+        self.requests = 0  # requests read (each answered or counted as abandoned)
         self.draining = False
         self.server: asyncio.AbstractServer | None = None
         self._routes: dict[bytes, tuple[str, str, str]] = {}

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import faulthandler
 import importlib.util
 import json
 import logging
@@ -91,6 +92,7 @@ def _command(args: argparse.Namespace) -> int:
     except cfg.ConfigError as exc:
         raise CliError(str(exc), code=2) from None
     setup_logging(config.log_level)
+    faulthandler.register(signal.SIGUSR1)  # `kill -USR1 PID` prints every thread's stack to stderr
     try:
         import uvloop
 
@@ -99,8 +101,8 @@ def _command(args: argparse.Namespace) -> int:
         runner = asyncio.run
     try:
         return runner(run(config))
-    except OSError as exc:  # a port in use, an address that cannot be bound
-        raise CliError(f"cannot listen: {exc.strerror or exc}") from None
+    except OSError as exc:  # a proxy port in use, an address that cannot be bound
+        raise CliError(f"cannot listen: {exc}") from None
 
 
 def build_tracer(config: cfg.SidecarConfig) -> tuple[Any, Any]:
@@ -236,8 +238,11 @@ def _dechunk(data: bytes) -> bytes:
     return b"".join(out)
 
 
-async def refresh_models(config: cfg.SidecarConfig, telemetry: Any, wake: asyncio.Event) -> None:
-    """Keep telemetry's served-model set equal to the upstream's repository index."""
+async def refresh_models(
+    config: cfg.SidecarConfig, telemetry: Any, wake: asyncio.Event, first: asyncio.Event
+) -> None:
+    """Keep telemetry's served-model set equal to the upstream's repository index; ``first``
+    is set after the first attempt, so the sidecar turns ready knowing the models."""
     from sidecar.telemetry import UPSTREAM_HTTP
 
     host, port = config.upstream_http
@@ -271,6 +276,7 @@ async def refresh_models(config: cfg.SidecarConfig, telemetry: Any, wake: asynci
             else:
                 log.warning("upstream unreachable", extra={"fields": {**fields, "error": err}})
             up = now_up
+        first.set()
         if not now_up:
             await asyncio.sleep(DOWN_PROBE_INTERVAL)
             continue
@@ -296,10 +302,20 @@ async def run(config: cfg.SidecarConfig) -> int:
     wake = asyncio.Event()
     telemetry.on_unknown_model = wake.set
 
-    metrics = MetricsServer(config.host, config.metrics_port, registry)
+    try:
+        metrics = MetricsServer(config.host, config.metrics_port, registry)
+    except OSError as exc:
+        raise CliError(
+            f"cannot listen on {config.host}:{config.metrics_port} (--metrics-port): {exc.strerror}"
+        ) from None
     metrics.start()
     servers: list[tuple[str, Any]] = []
-    refresher = asyncio.create_task(refresh_models(config, telemetry, wake))
+    first = asyncio.Event()
+    refresher = asyncio.create_task(refresh_models(config, telemetry, wake, first))
+    try:
+        await asyncio.wait_for(first.wait(), config.connect_timeout + 6.0)
+    except TimeoutError:
+        pass
     try:
         servers.append(("http", await http_proxy.serve(config, telemetry)))
         if config.grpc_proxy_enabled and importlib.util.find_spec("sidecar.grpc_proxy") is not None:
@@ -349,6 +365,7 @@ async def run(config: cfg.SidecarConfig) -> int:
             "fields": {
                 "drain_s": round(time.monotonic() - started, 3),
                 "in_flight_left": telemetry.in_flight_total,
+                "http_requests": servers[0][1].requests,
             }
         },
     )

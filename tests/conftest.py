@@ -4,5 +4,7 @@ pytest_plugins = [
     "tests.fixtures.net",
     "tests.fixtures.gpu_exporter",
     "tests.fixtures.triton",
+    "tests.fixtures.sidecar",
     "tests.fixtures.deploy",
+    "tests.fixtures.alerting",
 ]
