@@ -20,10 +20,10 @@ import tritonclient.http as tritonhttp
 import yaml
 
 from alert_rules import generate
-from dashboards import build, live, urls
+from dashboards import build, live, snapshot, urls
 from inferwatch import contract as c
 from inferwatch.spec import load_spec
-from reference_server import catalog
+from reference_server import catalog, faults
 from tests.fixtures.net import ROOT, Processes, free_port, inferwatch_cmd, wait_http
 
 pytestmark = pytest.mark.integration
@@ -35,6 +35,7 @@ SCRAPE_S = 1
 # (model, version sent in the URL, client threads): ranker v1 and v2 run side by side like a
 # canary; two clients on dense_batched let Triton form batches.
 TRAFFIC = [("dense_batched", "", 2), ("dense_unbatched", "", 1), ("ranker", "1", 1), ("ranker", "2", 1)]
+CANARY_ERROR_RATE = 0.2
 # Panels that cannot have data on this machine, and why. Their queries must still be accepted.
 NO_DATA_HERE = {
     "GPU memory by pod": "the simulated GPU backend runs no processes; per-pod memory needs a real GPU",
@@ -116,6 +117,10 @@ def stack(tmp_path_factory: pytest.TempPathFactory, triton, _gpu_exporter_sessio
         )
         wait_http(f"http://127.0.0.1:{prom_port}/-/ready", timeout=60, proc=prom)
 
+        # The canary misbehaves: ranker v2 fails 20% of its requests and is 250 ms slower.
+        faults.set_fault(
+            "ranker", "2", error_rate=CANARY_ERROR_RATE, extra_latency_ms=250, state_dir=triton.state_dir
+        )
         # GPU 0 under memory pressure: GPUMemoryPressure fires, so "Alerts firing now" has a row.
         assert _gpu_exporter_session.simulate(fb_used_ratio=0.95, gpus=[0]).status_code == 200
         errors: list[str] = []
@@ -136,6 +141,7 @@ def stack(tmp_path_factory: pytest.TempPathFactory, triton, _gpu_exporter_sessio
         for t in threads:
             t.join(30)
         _gpu_exporter_session.reset()
+        faults.clear("ranker", state_dir=triton.state_dir)
         procs.stop_all()
 
 
@@ -182,7 +188,10 @@ def test_every_panel_query_returns_data(stack: Stack) -> None:
         while True:
             instances = _all_instances(prom)
             empty = _empty_queries(prom, instances)
-            if not empty or time.monotonic() > deadline:
+            firing = {
+                a["metric"]["alertname"] for a in prom.query(f'{c.PROM_ALERTS.name}{{alertstate="firing"}}')
+            }
+            if (not empty and c.ALERT_GPU_MEMORY_PRESSURE in firing) or time.monotonic() > deadline:
                 break
             time.sleep(3)
         assert not empty, "queries without data:\n" + "\n".join(empty)
@@ -195,10 +204,24 @@ def test_every_panel_query_returns_data(stack: Stack) -> None:
         )
         assert {"1", "2"} <= set(variables["version"].options)
         # The alert table shows what is firing: the GPU under memory pressure.
-        firing = prom.query(f'{c.PROM_ALERTS.name}{{alertstate="firing"}}')
-        assert c.ALERT_GPU_MEMORY_PRESSURE in {a["metric"]["alertname"] for a in firing}
+        assert c.ALERT_GPU_MEMORY_PRESSURE in firing
+        # The panels show what happened: only the canary's errors, in the overview and by version.
+        overview = {i.title: i for i in _instances(prom, urls.FLEET_OVERVIEW)}
+        ratios = _last_values(prom, overview["Server-error ratio by model"], "model")
+        # (diluted at the model level: the slow canary serves a small share of ranker's requests)
+        assert ratios["ranker"] > 0 and ratios["dense_batched"] == ratios["dense_unbatched"] == 0
+        detail = {i.title: i for i in _instances(prom, urls.MODEL_DETAIL, {"model": "ranker"})}
+        by_version = _last_values(prom, detail["Server-error ratio by version"], "version")
+        assert by_version["2"] > 0.05 and by_version["1"] == 0
+        # ranker's SLA is 100 ms; its canary's 250 ms extra puts P99 above twice the SLA.
+        slow = _last_values(prom, overview["P99 latency / SLA by model"], "model")
+        assert slow["ranker"] > SPEC.alerts.latency.sla_factor > slow["dense_batched"]
         # The documented exceptions are still valid queries (Prometheus accepted them above).
         assert {i.panel["title"] for i in instances} >= set(NO_DATA_HERE)
+
+
+def _last_values(prom: live.Prometheus, inst: live.PanelInstance, label: str) -> dict[str, float]:
+    return {r["metric"].get(label, ""): float(r["value"][1]) for r in prom.query(inst.queries[0].expr)}
 
 
 def test_snapshot_renders_every_panel(stack: Stack, tmp_path: Path) -> None:
@@ -226,3 +249,29 @@ def test_snapshot_renders_every_panel(stack: Stack, tmp_path: Path) -> None:
     keep = os.environ.get("INFERWATCH_KEEP_SNAPSHOT")
     if keep:  # for a person to look at (and for docs/img)
         shutil.copytree(out, keep, dirs_exist_ok=True)
+
+
+def test_snapshot_of_one_model_shows_the_canary_beside_the_stable_version(
+    stack: Stack, tmp_path: Path
+) -> None:
+    out = tmp_path / "ranker"
+    result = snapshot.snapshot(
+        stack.prometheus,
+        out,
+        SPEC,
+        range_s=180,
+        scrape_interval_s=SCRAPE_S,
+        pins={"model": "ranker"},
+        only=[urls.MODEL_DETAIL],
+    )
+    panels = {p.title: p for p in result.panels}
+    assert set(panels) == {p["title"] for p in live.panels(DASHBOARDS[urls.MODEL_DETAIL])}
+    assert panels["Request rate by version"].series == 2  # v1 and v2
+    assert panels["Achieved batch size by version"].series == 2
+    assert all('model=~"ranker"' in q.expr for q in panels["Request rate by version"].queries)
+    assert not [p.title for p in result.panels if p.error or not p.series]
+    with pytest.raises(live.LiveError, match="no dashboard has that variable"):
+        snapshot.snapshot(stack.prometheus, out, SPEC, pins={"modle": "ranker"})
+    keep = os.environ.get("INFERWATCH_KEEP_SNAPSHOT")
+    if keep:
+        shutil.copytree(out, Path(keep) / "ranker", dirs_exist_ok=True)
