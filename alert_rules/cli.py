@@ -15,6 +15,36 @@ DEFAULT_SPEC = "fleet.yaml"
 
 def register(sub: argparse._SubParsersAction) -> None:
     _register_rules(sub)
+    _register_pager(sub)
+
+
+def _register_pager(sub: argparse._SubParsersAction) -> None:
+    from inferwatch.contract import PORTS
+
+    pager = sub.add_parser(
+        "pager",
+        help="run the on-call inbox: an Alertmanager webhook receiver with a web page",
+        description=(
+            "Receive Alertmanager webhook notifications (payload version 4) at POST /webhook, "
+            "authenticated by a bearer token; store each in SQLite before answering; list pages at "
+            "GET /pages (JSON; filters status, severity, alertname, model, receiver, limit) and GET / "
+            "(HTML). Runs until SIGTERM or Ctrl-C."
+        ),
+    )
+    pager.add_argument("--host", default="127.0.0.1", help="address to bind (default: %(default)s)")
+    pager.add_argument("--port", type=int, default=PORTS["pager"], help="port (default: %(default)s)")
+    pager.add_argument("--db", help="SQLite database (default: <state dir>/pager.db)")
+    pager.add_argument(
+        "--token-file",
+        help="file holding the bearer token Alertmanager sends (default: $INFERWATCH_PAGER_TOKEN)",
+    )
+    pager.set_defaults(func=_pager)
+
+
+def _pager(args: argparse.Namespace) -> int:
+    from alert_rules import pager
+
+    return pager.main(args)
 
 
 def _register_rules(sub: argparse._SubParsersAction) -> None:
