@@ -38,6 +38,7 @@ class ModelInfo:
     max_batch_size: int
     dynamic_batching: bool
     description: str
+    compute: str = ""  # dense models: "float32" or "int8-streaming" (see model.py)
 
     @property
     def input(self) -> Tensor:
@@ -64,6 +65,7 @@ MODELS: dict[str, ModelInfo] = {
             8,
             True,
             "x @ W with a 4096x4096 float32 W; dynamic batching, preferred batch sizes [4, 8]",
+            "float32",
         ),
         ModelInfo(
             "dense_unbatched",
@@ -73,6 +75,28 @@ MODELS: dict[str, ModelInfo] = {
             8,
             False,
             "the same model and weights as dense_batched, without dynamic batching",
+            "float32",
+        ),
+        ModelInfo(
+            "dense_int8_batched",
+            ("1",),
+            _DENSE_IN,
+            _DENSE_OUT,
+            32,
+            True,
+            "x @ (Q * scale) with int8 Q dequantized block by block per execution (weight-bound); "
+            "dynamic batching, preferred batch sizes [16, 32]",
+            "int8-streaming",
+        ),
+        ModelInfo(
+            "dense_int8_unbatched",
+            ("1",),
+            _DENSE_IN,
+            _DENSE_OUT,
+            32,
+            False,
+            "the same model and weights as dense_int8_batched, without dynamic batching",
+            "int8-streaming",
         ),
         ModelInfo(
             "ranker",
@@ -91,6 +115,8 @@ MODELS: dict[str, ModelInfo] = {
 WEIGHT_SEEDS: dict[tuple[str, str], int] = {
     ("dense_batched", "1"): 1,
     ("dense_unbatched", "1"): 1,
+    ("dense_int8_batched", "1"): 2,
+    ("dense_int8_unbatched", "1"): 2,
     ("ranker", "1"): 101,
     ("ranker", "2"): 201,
 }

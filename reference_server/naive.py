@@ -1,4 +1,4 @@
-"""The naive baseline: the dense numpy model behind a plain FastAPI server, one request at a time.
+"""The naive baseline: the dense numpy models behind a plain FastAPI server, one request at a time.
 
 It speaks the KServe v2 HTTP protocol (JSON tensors and Triton's binary-data extension), so
 ``inferwatch load`` and any tritonclient drive it exactly as they drive Triton. The inference
@@ -16,6 +16,7 @@ import logging
 import signal
 import sys
 import time
+from collections.abc import Callable
 
 import numpy as np
 from fastapi import FastAPI, Request
@@ -29,11 +30,19 @@ _DTYPES = {"FP32": np.float32, "FP64": np.float64, "FP16": np.float16, "INT32": 
 log = logging.getLogger("inferwatch.naive")
 
 
-def make_weights(seed: int, shape: tuple[int, ...]) -> np.ndarray:
-    """The weight recipe of the Triton models (model.py), so both serve the same numbers."""
-    w = np.random.default_rng(seed).standard_normal(shape, dtype=np.float32)
-    w *= np.float32(1.0 / np.sqrt(shape[0]))
-    return w
+def _model_py():
+    """model.py of the repository, imported as a plain module (without Triton), so the naive
+    server computes with exactly the same weights and compute paths as the Triton models."""
+    import importlib.util
+    import types
+
+    sys.modules.setdefault("triton_python_backend_utils", types.ModuleType("triton_python_backend_utils"))
+    path = catalog.MODEL_REPOSITORY / "dense_batched" / "1" / "model.py"
+    spec = importlib.util.spec_from_file_location("inferwatch_reference_model", path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 class BadRequest(Exception):
@@ -78,10 +87,25 @@ def _input_array(spec: dict, binary: bytes, offset: int) -> tuple[np.ndarray, in
 class NaiveServer:
     """The dense model of the reference repository, served one request at a time."""
 
-    def __init__(self, dim: int = catalog.DENSE_DIM, seed: int = 1) -> None:
+    def __init__(self, dim: int = catalog.DENSE_DIM) -> None:
+        m = _model_py()
         self.dim = dim
-        self.weights = make_weights(seed, (dim, dim))
-        self.models = {name for name, m in catalog.MODELS.items() if name.startswith("dense")}
+        # One weight set per compute path, shared by the models that use it (as in Triton).
+        computes: dict[tuple[str, int], Callable[[np.ndarray], np.ndarray]] = {}
+        self.compute: dict[str, Callable[[np.ndarray], np.ndarray]] = {}
+        for name, info in catalog.MODELS.items():
+            if not info.compute:
+                continue
+            seed = catalog.WEIGHT_SEEDS[(name, "1")]
+            if (info.compute, seed) not in computes:
+                if info.compute == "float32":
+                    w = m.make_weights(seed, (dim, dim))
+                    computes[(info.compute, seed)] = lambda x, w=w: x @ w
+                else:
+                    q, scale = m.make_int8_weights(seed, dim)
+                    computes[(info.compute, seed)] = lambda x, q=q, s=scale: m.int8_streaming_matmul(x, q, s)
+            self.compute[name] = computes[(info.compute, seed)]
+        self.models = set(self.compute)
         self.app = self._build()
 
     def infer(self, model: str, body: bytes, header_length: str | None) -> Response:
@@ -103,7 +127,7 @@ class NaiveServer:
                 f"input '{info.input.name}' has shape {list(x.shape)}, model expects "
                 f"[-1 (1..{info.max_batch_size}), {self.dim}]"
             )
-        y = np.ascontiguousarray(x @ self.weights, dtype=np.float32)
+        y = np.ascontiguousarray(self.compute[model](x), dtype=np.float32)
         params = header.get("parameters") or {}
         wanted = header.get("outputs") or [{"name": info.output.name}]
         binary_out = bool(params.get("binary_data_output")) or any(

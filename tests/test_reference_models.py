@@ -65,17 +65,15 @@ def test_catalog_matches_what_triton_serves(triton) -> None:
     assert int(cfg["max_queue_delay_microseconds"]) == 1000
 
 
-@pytest.mark.parametrize(
-    ("model", "version"),
-    [("dense_batched", "1"), ("dense_unbatched", "1"), ("ranker", "1"), ("ranker", "2")],
-)
+@pytest.mark.parametrize(("model", "version"), sorted(catalog.WEIGHT_SEEDS))
 def test_http_and_grpc_serve_the_numpy_reference(triton, model: str, version: str) -> None:
     x = catalog.example_input(model, batch=3, seed=7)[catalog.model_info(model).input.name]
     want = expected(model, version, x)
     for infer, url in ((http_infer, triton.http_url), (grpc_infer, triton.grpc_url)):
         got = infer(url, model, x, version)
         assert got.shape == want.shape
-        np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4)
+        # Summation order differs (batched BLAS, blockwise dequantization): compare to scale.
+        np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5 * float(np.abs(want).max()) + 1e-5)
 
 
 def test_ranker_versions_differ_and_the_default_is_the_newest(triton) -> None:
@@ -96,19 +94,26 @@ def _concurrent_load(url: str, model: str, requests: int, workers: int) -> None:
         list(pool.map(one, range(requests)))
 
 
-def test_dynamic_batching_merges_requests_and_the_baseline_does_not(triton) -> None:
+@pytest.mark.parametrize(
+    ("batched", "unbatched"),
+    [("dense_batched", "dense_unbatched"), ("dense_int8_batched", "dense_int8_unbatched")],
+)
+def test_dynamic_batching_merges_requests_and_the_baseline_does_not(
+    triton, batched: str, unbatched: str
+) -> None:
+    n = 64
     before = triton_metrics.scrape(triton.metrics_url)
-    for model in ("dense_batched", "dense_unbatched"):
-        _concurrent_load(triton.http_url, model, requests=96, workers=16)
+    for model in (batched, unbatched):
+        _concurrent_load(triton.http_url, model, requests=n, workers=16)
     after = triton_metrics.scrape(triton.metrics_url)
     count_name, exec_name = contract.TRITON_INFERENCE_COUNT.name, contract.TRITON_EXEC_COUNT.name
-    count = triton_metrics.delta(before, after, count_name, "dense_batched")
-    execs = triton_metrics.delta(before, after, exec_name, "dense_batched")
-    assert count == 96
-    assert execs < count, f"dense_batched ran {execs} executions for {count} requests"
-    count = triton_metrics.delta(before, after, count_name, "dense_unbatched")
-    execs = triton_metrics.delta(before, after, exec_name, "dense_unbatched")
-    assert count == 96
+    count = triton_metrics.delta(before, after, count_name, batched)
+    execs = triton_metrics.delta(before, after, exec_name, batched)
+    assert count == n
+    assert execs < count, f"{batched} ran {execs} executions for {count} requests"
+    count = triton_metrics.delta(before, after, count_name, unbatched)
+    execs = triton_metrics.delta(before, after, exec_name, unbatched)
+    assert count == n
     assert execs == count
 
 

@@ -7,7 +7,8 @@ container, where nothing of inferwatch is installed.
 
 Weights are generated from a seed when the model loads (no downloads), so a test can rebuild
 them and check the served numbers against its own numpy reference:
-``W = default_rng(seed).standard_normal(shape, float32) * float32(1 / sqrt(rows))``.
+``W = default_rng(seed).standard_normal(shape, float32) * float32(1 / sqrt(rows))``
+(``make_int8_weights`` for the int8 models).
 
 Fault injection: before each execution the model stats ``<faults dir>/<model>@<version>.json``
 and ``<faults dir>/<model>.json`` (the first that exists wins) and re-reads it only when it
@@ -40,6 +41,29 @@ def make_weights(seed: int, shape: tuple[int, ...]) -> np.ndarray:
     w = np.random.default_rng(seed).standard_normal(shape, dtype=np.float32)
     w *= np.float32(1.0 / np.sqrt(shape[0]))
     return w
+
+
+def make_int8_weights(seed: int, dim: int) -> tuple[np.ndarray, np.ndarray]:
+    """int8 weights with a float32 scale per output column (weight-only quantization)."""
+    rng = np.random.default_rng(seed)
+    q = rng.integers(-127, 128, (dim, dim), dtype=np.int8)
+    scale = (rng.random(dim, dtype=np.float32) + np.float32(0.5)) * np.float32(1.0 / (127 * np.sqrt(dim)))
+    return q, scale
+
+
+def int8_streaming_matmul(x: np.ndarray, q: np.ndarray, scale: np.ndarray, block: int = 256) -> np.ndarray:
+    """x @ (q * scale), dequantizing the weights block by block on every call.
+
+    This is the weight-bound path of quantized model serving (weights stay compressed and are
+    expanded as they stream through): each call reads and converts every weight once, whatever
+    the batch, and then each row costs little. So one call's cost is nearly flat in the batch
+    size, as a large model's step is on a GPU, and batching pays on a CPU too.
+    """
+    y = np.zeros((x.shape[0], q.shape[1]), dtype=np.float32)
+    for start in range(0, q.shape[0], block):
+        y += x[:, start : start + block] @ q[start : start + block].astype(np.float32)
+    y *= scale
+    return y
 
 
 class FaultReader:
@@ -91,6 +115,11 @@ class TritonPythonModel:
             dim = int(params.get("dim", "4096"))
             self.input_name, self.output_name = "INPUT", "OUTPUT"
             self.weights = make_weights(int(params.get("seed", "0")), (dim, dim))
+        elif self.kind == "dense_int8":
+            self.input_name, self.output_name = "INPUT", "OUTPUT"
+            self.q, self.scale = make_int8_weights(
+                int(params.get("seed", "0")), int(params.get("dim", "4096"))
+            )
         elif self.kind == "ranker":
             features = int(params.get("features", "32"))
             self.input_name, self.output_name = "FEATURES", "SCORES"
@@ -106,6 +135,8 @@ class TritonPythonModel:
     def _compute(self, x: np.ndarray) -> np.ndarray:
         if self.kind == "dense":
             return x @ self.weights
+        if self.kind == "dense_int8":
+            return int8_streaming_matmul(x, self.q, self.scale)
         h = np.tanh(x @ self.w1) if self.w1 is not None else x
         return (h @ self.w2)[..., 0]
 
