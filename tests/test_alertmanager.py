@@ -129,5 +129,5 @@ def test_notification_templates_render(tmp_path: Path) -> None:
     assert proc.returncode == 0, proc.stdout + proc.stderr
     # amtool's example data: status "alertstatus", two alerts without labels.
     title, text = proc.stdout.split("|", 1)
-    assert title == "[ALERTSTATUS]"
+    assert title.strip() == "[ALERTSTATUS]"
     assert text.count("Runbook: ") == 2 and text.count("Since: ") == 2
