@@ -1,0 +1,217 @@
+"""gRPC through the ``inferwatch sidecar`` process: its /metrics equal what clients saw, request
+for request; SIGTERM drains gRPC calls in flight; an upstream killed mid-load leaves no call
+hanging, every call accounted for, and traffic flowing again when it returns."""
+
+from __future__ import annotations
+
+import os
+import queue
+import signal
+import threading
+import time
+from collections import Counter
+
+import numpy as np
+import pytest
+import tritonclient.grpc as tgrpc
+from tritonclient.utils import InferenceServerException
+
+from inferwatch import contract
+from reference_server.launcher import TritonServer
+from tests.fixtures.net import free_port
+from tests.fixtures.sidecar import SidecarInfo, launch_sidecar
+from tests.test_sidecar_grpc import fault, infer_inputs, wait_for
+
+pytestmark = pytest.mark.integration
+
+REQUESTS = contract.REQUESTS_TOTAL.name
+DURATION_COUNT = contract.REQUEST_DURATION.name + "_count"
+IN_FLIGHT = contract.REQUESTS_IN_FLIGHT.name
+UP = contract.UPSTREAM_UP.name
+
+
+def grpc_counts(sc: SidecarInfo) -> Counter:
+    """(model, code, outcome) -> gRPC requests the sidecar counted."""
+    out: Counter = Counter()
+    for labels, value in sc.samples(REQUESTS):
+        if labels["protocol"] == contract.PROTOCOL_GRPC:
+            out[(labels["model"], labels["code"], labels["outcome"])] += int(value)
+    return out
+
+
+def grpc_duration_count(sc: SidecarInfo) -> int:
+    return int(sum(v for labels, v in sc.samples(DURATION_COUNT) if labels["protocol"] == "grpc"))
+
+
+def in_flight(sc: SidecarInfo) -> float:
+    return sum(v for _, v in sc.samples(IN_FLIGHT))
+
+
+def grpc_up(sc: SidecarInfo) -> float | None:
+    return next((v for labels, v in sc.samples(UP) if labels["upstream"] == "grpc"), None)
+
+
+def code_of(exc: InferenceServerException) -> str:
+    return (exc.status() or "StatusCode.UNKNOWN").removeprefix("StatusCode.")
+
+
+def test_sidecar_counts_equal_what_grpc_clients_saw(triton, sidecar) -> None:
+    before, before_hist = grpc_counts(sidecar), grpc_duration_count(sidecar)
+    client = tgrpc.InferenceServerClient(sidecar.grpc_url)
+    seen: Counter = Counter()  # (model label, code) as the client saw it
+
+    def call(model_label: str, fn, *args, **kwargs) -> None:
+        try:
+            fn(*args, **kwargs)
+            seen[(model_label, "OK")] += 1
+        except InferenceServerException as exc:
+            seen[(model_label, code_of(exc))] += 1
+
+    bad = tgrpc.InferInput("NOT_AN_INPUT", [1, 16, 32], "FP32")
+    bad.set_data_from_numpy(np.zeros((1, 16, 32), np.float32))
+    fault(triton.state_dir, "set", "--model", "ranker", "--version", "2", "--error-rate", "0.5")
+    try:
+        for i in range(20):
+            call("ranker", client.infer, "ranker", infer_inputs("ranker", seed=i), model_version="2")
+        for i in range(5):
+            call("dense_unbatched", client.infer, "dense_unbatched", infer_inputs("dense_unbatched", seed=i))
+            call(contract.MODEL_OVERFLOW, client.infer, f"no_such_model_{i}", infer_inputs("ranker"))
+            call("ranker", client.infer, "ranker", [bad])
+            call("ranker", client.get_model_metadata, "ranker")
+
+        # A stream: each message is one request, its response or in-stream error closes it.
+        answers: queue.Queue = queue.Queue()
+        client.start_stream(lambda result, error: answers.put(error))
+        for i in range(10):
+            client.async_stream_infer(
+                "ranker", infer_inputs("ranker", seed=i), model_version="2", request_id=str(i)
+            )
+        client.async_stream_infer("no_such_model", infer_inputs("ranker"), request_id="x")
+        for _ in range(11):
+            error = answers.get(timeout=30)
+            if error is None:
+                seen[("ranker", "OK")] += 1
+            elif "unknown model" in error.message():
+                seen[(contract.MODEL_OVERFLOW, "NOT_FOUND")] += 1
+            else:
+                assert "injected" in error.message()
+                seen[("ranker", "INTERNAL")] += 1
+        client.stop_stream()
+    finally:
+        fault(triton.state_dir, "clear", "--model", "ranker")
+        client.close()
+
+    assert seen[("ranker", "INTERNAL")] > 0 and seen[("ranker", "OK")] > 0  # the fault really fired
+    wait_for(lambda: in_flight(sidecar) == 0, what="nothing in flight")
+    after = grpc_counts(sidecar)
+    delta = Counter({k: after[k] - before[k] for k in after if after[k] != before[k]})
+    expected = Counter(
+        {
+            (m, code, contract.OUTCOME_SUCCESS if code == "OK" else outcome_of(code)): n
+            for (m, code), n in seen.items()
+        }
+    )
+    assert delta == expected
+    assert grpc_duration_count(sidecar) - before_hist == sum(seen.values())
+    assert grpc_up(sidecar) == 1
+
+
+def outcome_of(code: str) -> str:
+    if code in ("INTERNAL", "UNAVAILABLE", "UNKNOWN", "DEADLINE_EXCEEDED", "RESOURCE_EXHAUSTED"):
+        return contract.OUTCOME_SERVER_ERROR
+    return contract.OUTCOME_CLIENT_ERROR
+
+
+def test_sigterm_drains_grpc_calls_in_flight(triton, tmp_path) -> None:
+    fault(triton.state_dir, "set", "--model", "ranker", "--version", "1", "--extra-latency-ms", "800")
+    try:
+        with launch_sidecar(triton.http_url, triton.grpc_url, tmp_path, "--drain-timeout", "20") as sc:
+            results: list[str] = []
+
+            def one(i: int) -> None:
+                client = tgrpc.InferenceServerClient(sc.grpc_url)
+                try:
+                    client.infer(
+                        "ranker", infer_inputs("ranker", seed=i), model_version="1", client_timeout=20
+                    )
+                    results.append("OK")
+                except InferenceServerException as exc:
+                    results.append(code_of(exc))
+
+            threads = [threading.Thread(target=one, args=(i,)) for i in range(4)]
+            for t in threads:
+                t.start()
+            wait_for(lambda: in_flight(sc) == 4, what="4 calls in flight")
+            os.killpg(sc.proc.pid, signal.SIGTERM)
+            for t in threads:
+                t.join(30)
+            assert results == ["OK"] * 4
+            assert sc.proc.wait(30) == 0
+    finally:
+        fault(triton.state_dir, "clear", "--model", "ranker")
+
+
+def test_upstream_killed_mid_load_no_hang_all_counted_and_recovers(tmp_path) -> None:
+    ports = {"http_port": free_port(), "grpc_port": free_port(), "metrics_port": free_port()}
+    only_ranker = ("--model-control-mode=explicit", "--load-model=ranker")
+
+    def start_triton() -> TritonServer:
+        return TritonServer(**ports, state_dir_path=tmp_path / "triton", extra_args=only_ranker).start()
+
+    server = start_triton()
+    with launch_sidecar(
+        f"127.0.0.1:{ports['http_port']}",
+        f"127.0.0.1:{ports['grpc_port']}",
+        tmp_path,
+        "--connect-timeout",
+        "0.5",
+    ) as sc:
+        seen: Counter = Counter()
+        slowest = [0.0]
+        stop = threading.Event()
+        lock = threading.Lock()
+
+        def load() -> None:
+            client = tgrpc.InferenceServerClient(sc.grpc_url)
+            inputs = infer_inputs("ranker")
+            while not stop.is_set():
+                started = time.monotonic()
+                try:
+                    client.infer("ranker", inputs, model_version="1", client_timeout=10)
+                    code = "OK"
+                except InferenceServerException as exc:
+                    code = code_of(exc)
+                    time.sleep(0.01)
+                with lock:
+                    seen[code] += 1
+                    slowest[0] = max(slowest[0], time.monotonic() - started)
+            client.close()
+
+        workers = [threading.Thread(target=load) for _ in range(2)]
+        for w in workers:
+            w.start()
+        try:
+            wait_for(lambda: seen["OK"] >= 20, timeout=30, what="traffic flowing")
+            os.killpg(server.proc.pid, signal.SIGKILL)  # no goodbye: the upstream just vanishes
+            server.proc.wait()
+            wait_for(lambda: seen["UNAVAILABLE"] >= 20, timeout=10, what="fast UNAVAILABLE answers")
+            assert grpc_up(sc) == 0
+            ok_before = seen["OK"]
+            server = start_triton()
+            wait_for(lambda: seen["OK"] >= ok_before + 20, timeout=30, what="traffic flowing again")
+            assert grpc_up(sc) == 1
+        finally:
+            stop.set()
+            for w in workers:
+                w.join(30)
+            server.stop()
+
+        assert slowest[0] < 10  # nothing waited for the client deadline: no call hung
+        assert set(seen) <= {"OK", "UNAVAILABLE", "INTERNAL", "CANCELLED"}, seen
+        wait_for(lambda: in_flight(sc) == 0, what="nothing in flight")
+        counted = grpc_counts(sc)
+        by_code: Counter = Counter()
+        for (_, code, _), n in counted.items():
+            by_code[code] += n
+        assert by_code == seen
+        assert all(outcome == outcome_of(code) or code == "OK" for (_, code, outcome) in counted)
