@@ -306,10 +306,11 @@ def table(
     expr: str,
     unit: str = "short",
     hide: Sequence[str] = (),
+    first: Sequence[str] = (),
     w: int = 24,
     h: int = 7,
 ) -> Panel:
-    """An instant-query table (one row per series, labels as columns)."""
+    """An instant-query table (one row per series, labels as columns; ``first`` leads)."""
     obj = g.Table(
         title=title,
         description=description,
@@ -321,35 +322,13 @@ def table(
             "transformations": [
                 {
                     "id": "organize",
-                    "options": {"excludeByName": dict.fromkeys(("Time", "Value", *hide), True)},
+                    "options": {
+                        "excludeByName": dict.fromkeys(("Time", "Value", *hide), True),
+                        "indexByName": {name: i for i, name in enumerate(first)},
+                    },
                 }
             ],
         },
-    )
-    return Panel(obj, w, h)
-
-
-def stat(
-    title: str,
-    description: str,
-    tgts: Sequence[g.Target],
-    unit: str,
-    thresholds: list[dict[str, Any]],
-    w: int = 6,
-    h: int = 4,
-) -> Panel:
-    obj = g.Stat(
-        title=title,
-        description=description,
-        dataSource=DATASOURCE,
-        targets=list(tgts),
-        format=unit,
-        reduceCalc="lastNotNull",
-        graphMode="area",
-        colorMode="background",
-        noValue="no data",
-        thresholds=thresholds,
-        extraJson={"fieldConfig": {"defaults": {"thresholds": {"mode": "absolute", "steps": thresholds}}}},
     )
     return Panel(obj, w, h)
 

@@ -239,7 +239,8 @@ def _draw_timeseries(fig: Any, panel: dict[str, Any], series: list[Series]) -> N
         else:
             main.append(s)
         t = [datetime.fromtimestamp(x, UTC) for x in s.t]
-        label = s.name + _calcs(panel, s, props.get("unit", unit))
+        # Reference lines (dashed overrides: SLA, 2x SLA) need no statistics in the legend.
+        label = s.name if dash else s.name + _calcs(panel, s, props.get("unit", unit))
         kw = {"color": _color(color, i), "lw": props.get("custom.lineWidth", 1.4), "label": label}
         if dash:
             kw["ls"] = "--"
@@ -315,13 +316,11 @@ def _draw_table(fig: Any, panel: dict[str, Any], series: list[Series]) -> None:
     ax = fig.add_subplot(111)
     ax.axis("off")
     hidden: set[str] = set()
+    order: dict[str, int] = {}
     for tr in panel.get("transformations", []):
         if tr.get("id") == "organize":
             hidden |= {k for k, v in tr.get("options", {}).get("excludeByName", {}).items() if v}
-    cols = sorted({k for s in series for k in s.labels if k not in hidden})
-    if "alertname" in cols:
-        cols.remove("alertname")
-        cols.insert(0, "alertname")
+            order.update(tr.get("options", {}).get("indexByName", {}))
     if not series:
         ax.text(
             0.5,
@@ -333,12 +332,20 @@ def _draw_table(fig: Any, panel: dict[str, Any], series: list[Series]) -> None:
             color="#555",
         )
         return
-    rows = [[s.labels.get(k, "") for k in cols] for s in series]
-    tbl = ax.table(cellText=rows, colLabels=cols, loc="upper center", cellLoc="left")
+    present = {k for s in series for k in s.labels if k not in hidden}
+    cols = sorted(present, key=lambda k: (order.get(k, len(order)), k))
+    rows = [[s.labels.get(k, "")[:40] for k in cols] for s in series]
+    widths = [max(len(col), *(len(r[i]) for r in rows)) + 2 for i, col in enumerate(cols)]
+    tbl = ax.table(
+        cellText=rows,
+        colLabels=cols,
+        colWidths=[w / sum(widths) for w in widths],
+        loc="upper center",
+        cellLoc="left",
+    )
     tbl.auto_set_font_size(False)
-    tbl.set_fontsize(7)
-    tbl.auto_set_column_width(list(range(len(cols))))
-    tbl.scale(1, 1.3)
+    tbl.set_fontsize(8)
+    tbl.scale(1, 1.4)
 
 
 def _draw(panel: dict[str, Any], title: str, series: list[Series], path: Path) -> None:
