@@ -30,13 +30,15 @@ class NvmlBackend:
     name = "nvml"
     may_block = True
 
-    def __init__(self) -> None:
-        import pynvml  # imported here so the simulated backend never loads it
+    def __init__(self, nvml: Any = None) -> None:
+        if nvml is None:
+            import pynvml as nvml  # imported here so the simulated backend never loads it
 
-        self.nv = pynvml
-        self.not_supported = (pynvml.NVMLError_NotSupported,)
+        self.nv = nvml
+        self.not_supported = (nvml.NVMLError_NotSupported,)
         self._handles: list[Any] = []
         self._by_handle: dict[int, int] = {}
+        self._memory_v2 = True
 
     def init(self) -> list[DeviceInfo]:
         nv = self.nv
@@ -68,16 +70,10 @@ class NvmlBackend:
         nv = self.nv
         h = self._handles[index]
         raw = RawGpu()
-        mem = guard(
-            "nvmlDeviceGetMemoryInfo", lambda: nv.nvmlDeviceGetMemoryInfo(h, version=nv.nvmlMemory_v2)
-        )
+        mem = guard("nvmlDeviceGetMemoryInfo", lambda: self._memory(h))
         if mem is not None:
-            raw.mem_total, raw.mem_reserved, raw.mem_free, raw.mem_used = (
-                mem.total,
-                mem.reserved,
-                mem.free,
-                mem.used,
-            )
+            raw.mem_total, raw.mem_free, raw.mem_used = mem.total, mem.free, mem.used
+            raw.mem_reserved = getattr(mem, "reserved", None)  # absent from the v1 struct
         util = guard("nvmlDeviceGetUtilizationRates", lambda: nv.nvmlDeviceGetUtilizationRates(h))
         if util is not None:
             raw.util_gpu, raw.util_mem = util.gpu, util.memory
@@ -108,6 +104,18 @@ class NvmlBackend:
         if rows is not None:
             raw.remap_correctable, raw.remap_uncorrectable, _pending, raw.remap_failure = rows
         return raw
+
+    def _memory(self, h: Any) -> Any:
+        """Memory info v2 (total, reserved, free, used); v1 on drivers without v2, where "used"
+        includes the reserved memory and no reserved figure exists."""
+        nv = self.nv
+        if self._memory_v2:
+            try:
+                return nv.nvmlDeviceGetMemoryInfo(h, version=nv.nvmlMemory_v2)
+            except (nv.NVMLError_FunctionNotFound, nv.NVMLError_NotSupported):
+                self._memory_v2 = False
+                log.info("NVML memory info v2 unavailable; using v1 (no reserved figure)")
+        return nv.nvmlDeviceGetMemoryInfo(h)
 
     def _memory_temp(self, h: Any) -> int:
         nv = self.nv
