@@ -382,7 +382,7 @@ class UpstreamConn(asyncio.Protocol):
         "ex",
         "got_bytes",
         "headers",
-        "idle_since",
+        "keepalive",
         "parser",
         "proxy",
         "reused",
@@ -398,7 +398,7 @@ class UpstreamConn(asyncio.Protocol):
         self.reused = False
         self.closed = False
         self.got_bytes = False
-        self.idle_since = 0.0
+        self.keepalive = False
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = transport  # type: ignore[assignment]
@@ -432,7 +432,7 @@ class UpstreamConn(asyncio.Protocol):
             return
         ex.flush_out()
         if ex.resp_done and not ex.done:
-            ex.finish(self.parser.should_keep_alive() and not ex.head_only)
+            ex.finish(self.keepalive and not ex.head_only)
 
     def eof_received(self) -> bool:
         return False
@@ -461,7 +461,9 @@ class UpstreamConn(asyncio.Protocol):
         status = self.parser.get_status_code()
         if ex is None or status < 200:  # 1xx interim answers are not forwarded
             return
-        ex.response_head(status, self.headers, self.parser.should_keep_alive())
+        # Read here: llhttp forgets the message's keep-alive once the message completes.
+        self.keepalive = self.parser.should_keep_alive()
+        ex.response_head(status, self.headers, self.keepalive)
         if ex.head_only:
             ex.response_end()
 

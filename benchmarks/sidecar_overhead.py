@@ -1,0 +1,342 @@
+"""Sidecar overhead: Triton direct vs through ``inferwatch sidecar`` vs through nginx, in one run.
+
+Starts a real Triton (the reference ``ranker`` model; version 1 is a small JSON inference of
+512 floats), the sidecar in front of it, and the Debian nginx configured as a plain reverse
+proxy (one worker, keep-alive to the upstream: what a team would put there otherwise). Load
+comes from ``wrk`` (C, cheaper than what it measures) with a Lua script:
+
+- fixed open-loop rates (default 200, 500, 1000 requests/s): each connection waits an
+  exponentially distributed time (mean: connections / rate) before each request, so the
+  merged arrivals are a Poisson stream at the rate, wrk2-style; enough connections that a
+  connection's mean gap (50 ms) is far above the latency, so a slow answer barely delays
+  the schedule. Reported: P50/P99 per target and what each proxy adds against direct.
+- maximum throughput: closed loop, 8 connections (DESIGN.md's reference setting).
+- the proxy's CPU-seconds per 1,000 requests (utime + stime from /proc, every process of
+  the proxy) and its resident memory (VmRSS at the end, VmHWM peak).
+
+Usage (one command; about 3 minutes at the defaults):
+
+    .venv/bin/python benchmarks/sidecar_overhead.py [--duration 10] [--rates 200 500 1000]
+        [--json out.json]
+
+The machine is shared and noisy: read the ratios measured side by side in one run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+CLK_TCK = os.sysconf("SC_CLK_TCK")
+PATH = "/v2/models/ranker/versions/1/infer"
+MEAN_GAP_S = 0.05  # per-connection mean gap at the fixed rates
+MAX_CONNECTIONS = 8
+
+LUA = r"""
+local f = assert(io.open(os.getenv("IW_BODY"), "rb")); local body = f:read("*a"); f:close()
+wrk.method = "POST"; wrk.body = body; wrk.headers["Content-Type"] = "application/json"
+local mean_ms = tonumber(os.getenv("IW_MEAN_MS") or "0")
+math.randomseed(os.time())
+if mean_ms > 0 then
+  function delay() return -math.log(1 - math.random()) * mean_ms end
+end
+function done(s, lat, req)
+  local e = s.errors
+  io.write(string.format(
+    'IWRESULT {"requests":%d,"duration_us":%d,"connect":%d,"read":%d,"write":%d,"timeout":%d,"non2xx":%d,'
+    .. '"p50_us":%d,"p90_us":%d,"p99_us":%d,"p999_us":%d,"max_us":%d,"mean_us":%.1f}\n',
+    s.requests, s.duration, e.connect, e.read, e.write, e.timeout, e.status,
+    lat:percentile(50), lat:percentile(90), lat:percentile(99), lat:percentile(99.9), lat.max, lat.mean))
+end
+"""
+
+NGINX_CONF = """
+{user}
+daemon off;
+master_process on;
+worker_processes 1;
+pid {dir}/nginx.pid;
+error_log {dir}/error.log warn;
+events {{ worker_connections 4096; }}
+http {{
+    access_log off;
+    client_body_temp_path {dir}/body;
+    proxy_temp_path {dir}/proxy;
+    fastcgi_temp_path {dir}/fastcgi;
+    uwsgi_temp_path {dir}/uwsgi;
+    scgi_temp_path {dir}/scgi;
+    upstream triton {{
+        server {upstream};
+        keepalive 64;
+    }}
+    server {{
+        listen 127.0.0.1:{port};
+        client_max_body_size 64m;
+        location / {{
+            proxy_pass http://triton;
+            proxy_http_version 1.1;
+            proxy_set_header Connection "";
+        }}
+    }}
+}}
+"""
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def cpu_seconds(pids: list[int]) -> float:
+    total = 0
+    for pid in pids:
+        try:
+            fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        except FileNotFoundError:
+            continue
+        total += int(fields[11]) + int(fields[12])
+    return total / CLK_TCK
+
+
+def memory_kib(pids: list[int], field: str) -> int:
+    total = 0
+    for pid in pids:
+        try:
+            for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+                if line.startswith(field + ":"):
+                    total += int(line.split()[1])
+        except FileNotFoundError:
+            pass
+    return total
+
+
+def children(pid: int) -> list[int]:
+    out = subprocess.run(["pgrep", "-P", str(pid)], capture_output=True, text=True).stdout.split()
+    return [int(p) for p in out]
+
+
+def wait_port(port: int, timeout: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            with socket.create_connection(("127.0.0.1", port), timeout=1):
+                return
+        except OSError:
+            time.sleep(0.1)
+    raise RuntimeError(f"nothing listens on 127.0.0.1:{port} after {timeout}s")
+
+
+def wrk(port: int, duration: float, connections: int, env: dict[str, str], lua: Path) -> dict:
+    cmd = [
+        "wrk",
+        "-t1",
+        f"-c{connections}",
+        f"-d{int(duration)}s",
+        "--timeout",
+        "10s",
+        "-s",
+        str(lua),
+        f"http://127.0.0.1:{port}{PATH}",
+    ]
+    out = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, **env}, check=True).stdout
+    line = next(ln for ln in out.splitlines() if ln.startswith("IWRESULT "))
+    res = json.loads(line.split(" ", 1)[1])
+    res["errors"] = res["connect"] + res["read"] + res["write"] + res["timeout"] + res["non2xx"]
+    res["rps"] = res["requests"] / (res["duration_us"] / 1e6)
+    return res
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--duration", type=float, default=10.0, help="seconds per measurement (default 10)")
+    ap.add_argument(
+        "--rates", type=int, nargs="+", default=[200, 500, 1000], help="open-loop rates, requests/s"
+    )
+    ap.add_argument("--json", type=Path, help="also write the raw figures here")
+    args = ap.parse_args()
+    for tool in ("wrk", "nginx"):
+        if not shutil.which(tool) and not Path(f"/usr/sbin/{tool}").exists():
+            print(
+                f"sidecar_overhead: error: {tool} is not installed (scripts/bootstrap installs it)",
+                file=sys.stderr,
+            )
+            return 1
+
+    from reference_server.catalog import example_input
+    from reference_server.launcher import TritonServer
+
+    work = Path(tempfile.mkdtemp(prefix="iw-overhead-"))
+    x = example_input("ranker", 1, seed=7)["FEATURES"]
+    body = {
+        "inputs": [
+            {
+                "name": "FEATURES",
+                "shape": list(x.shape),
+                "datatype": "FP32",
+                "data": [round(float(v), 4) for v in x.ravel()],
+            }
+        ]
+    }
+    (work / "body.json").write_text(json.dumps(body))
+    lua = work / "post.lua"
+    lua.write_text(LUA)
+
+    procs: list[subprocess.Popen] = []
+    triton = TritonServer(
+        http_port=free_port(),
+        grpc_port=free_port(),
+        metrics_port=free_port(),
+        state_dir_path=work / "triton",
+        extra_args=("--model-control-mode=explicit", "--load-model=ranker"),
+    )
+    print("starting Triton ...", file=sys.stderr, flush=True)
+    triton.start()
+    try:
+        upstream = triton.http_url
+        sc_port, sc_metrics = free_port(), free_port()
+        sidecar = subprocess.Popen(
+            [
+                str(ROOT / ".venv" / "bin" / "inferwatch"),
+                "sidecar",
+                "--upstream-http",
+                upstream,
+                "--upstream-grpc",
+                triton.grpc_url,
+                "--host",
+                "127.0.0.1",
+                "--http-port",
+                str(sc_port),
+                "--grpc-port",
+                "0",
+                "--metrics-port",
+                str(sc_metrics),
+                "--spec",
+                str(ROOT / "fleet.yaml"),
+            ],
+            stdout=open(work / "sidecar.log", "wb"),
+            stderr=subprocess.STDOUT,
+        )
+        procs.append(sidecar)
+        ng_port = free_port()
+        (work / "nginx").mkdir()
+        conf = work / "nginx" / "nginx.conf"
+        conf.write_text(
+            NGINX_CONF.format(
+                user="user root;" if os.geteuid() == 0 else "",
+                dir=work / "nginx",
+                upstream=upstream,
+                port=ng_port,
+            )
+        )
+        nginx_bin = shutil.which("nginx") or "/usr/sbin/nginx"
+        nginx = subprocess.Popen(
+            [nginx_bin, "-c", str(conf), "-p", str(work / "nginx")],
+            stdout=open(work / "nginx.log", "wb"),
+            stderr=subprocess.STDOUT,
+        )
+        procs.append(nginx)
+        wait_port(sc_port)
+        wait_port(ng_port)
+        time.sleep(1.0)
+        targets = {
+            "direct": (int(upstream.rsplit(":", 1)[1]), []),
+            "sidecar": (sc_port, [sidecar.pid]),
+            "nginx": (ng_port, [nginx.pid, *children(nginx.pid)]),
+        }
+        env_base = {"IW_BODY": str(work / "body.json")}
+        print("warming up ...", file=sys.stderr, flush=True)
+        for port, _ in targets.values():
+            wrk(port, 3, MAX_CONNECTIONS, {**env_base, "IW_MEAN_MS": "0"}, lua)
+
+        results: dict = {"rates": {}, "max": {}}
+        for rate in args.rates:
+            conns = max(4, round(rate * MEAN_GAP_S))
+            mean_ms = conns / rate * 1000.0
+            for name, (port, pids) in targets.items():
+                print(f"open loop {rate}/s -> {name} ...", file=sys.stderr, flush=True)
+                c0 = cpu_seconds(pids)
+                res = wrk(port, args.duration, conns, {**env_base, "IW_MEAN_MS": f"{mean_ms:.3f}"}, lua)
+                res["cpu_s"] = cpu_seconds(pids) - c0
+                results["rates"].setdefault(rate, {})[name] = res
+        for name, (port, pids) in targets.items():
+            print(f"max throughput -> {name} ...", file=sys.stderr, flush=True)
+            c0 = cpu_seconds(pids)
+            res = wrk(port, args.duration, MAX_CONNECTIONS, {**env_base, "IW_MEAN_MS": "0"}, lua)
+            res["cpu_s"] = cpu_seconds(pids) - c0
+            res["rss_kib"] = memory_kib(pids, "VmRSS")
+            res["hwm_kib"] = memory_kib(pids, "VmHWM")
+            results["max"][name] = res
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.send_signal(signal.SIGTERM if p is not procs[-1] else signal.SIGQUIT)
+        for p in procs:
+            try:
+                p.wait(30)
+            except subprocess.TimeoutExpired:
+                p.kill()
+        triton.stop()
+
+    print(report(results, args))
+    if args.json:
+        args.json.write_text(json.dumps(results, indent=2, sort_keys=True) + "\n")
+    shutil.rmtree(work, ignore_errors=True)
+    return 0
+
+
+def report(results: dict, args: argparse.Namespace) -> str:
+    ms = lambda us: f"{us / 1000:.2f}"  # noqa: E731
+    lines = [
+        f"Open loop ({args.duration:g} s per cell; latency in ms; added = proxy minus direct at the same rate):",
+        "",
+        "| rate/s | achieved direct / sidecar / nginx | P50 direct | P50 sidecar (added) | P50 nginx (added) "
+        "| P99 direct | P99 sidecar (added) | P99 nginx (added) | sidecar CPU-s/1k req | nginx CPU-s/1k req | errors |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+    ]
+    for rate, cell in results["rates"].items():
+        d, s, n = cell["direct"], cell["sidecar"], cell["nginx"]
+        lines.append(
+            f"| {rate} | {d['rps']:.0f} / {s['rps']:.0f} / {n['rps']:.0f} "
+            f"| {ms(d['p50_us'])} | {ms(s['p50_us'])} ({ms(s['p50_us'] - d['p50_us'])}) "
+            f"| {ms(n['p50_us'])} ({ms(n['p50_us'] - d['p50_us'])}) "
+            f"| {ms(d['p99_us'])} | {ms(s['p99_us'])} ({ms(s['p99_us'] - d['p99_us'])}) "
+            f"| {ms(n['p99_us'])} ({ms(n['p99_us'] - d['p99_us'])}) "
+            f"| {1000 * s['cpu_s'] / max(s['requests'], 1):.3f} | {1000 * n['cpu_s'] / max(n['requests'], 1):.3f} "
+            f"| {d['errors']}/{s['errors']}/{n['errors']} |"
+        )
+    m = results["max"]
+    lines += [
+        "",
+        f"Maximum throughput (closed loop, {MAX_CONNECTIONS} connections, {args.duration:g} s):",
+        "",
+        "| target | requests/s | vs direct | P50 ms | P99 ms | proxy CPU-s/1k req | proxy RSS MB (peak) | errors |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- |",
+    ]
+    for name in ("direct", "sidecar", "nginx"):
+        r = m[name]
+        cpu = "-" if name == "direct" else f"{1000 * r['cpu_s'] / max(r['requests'], 1):.3f}"
+        rss = "-" if name == "direct" else f"{r['rss_kib'] / 1024:.1f} ({r['hwm_kib'] / 1024:.1f})"
+        lines.append(
+            f"| {name} | {r['rps']:.0f} | {r['rps'] / m['direct']['rps']:.2f} | {ms(r['p50_us'])} | {ms(r['p99_us'])} "
+            f"| {cpu} | {rss} | {r['errors']} |"
+        )
+    lines.append("")
+    lines.append(f"sidecar / nginx throughput at saturation: {m['sidecar']['rps'] / m['nginx']['rps']:.2f}")
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
