@@ -38,7 +38,7 @@ class ModelInfo:
     max_batch_size: int
     dynamic_batching: bool
     description: str
-    compute: str = ""  # dense models: "float32" or "int8-streaming" (see model.py)
+    compute: str = ""  # dense models: "float32" or "int4-streaming" (see model.py)
 
     @property
     def input(self) -> Tensor:
@@ -78,25 +78,25 @@ MODELS: dict[str, ModelInfo] = {
             "float32",
         ),
         ModelInfo(
-            "dense_int8_batched",
+            "dense_int4_batched",
             ("1",),
             _DENSE_IN,
             _DENSE_OUT,
             32,
             True,
-            "x @ (Q * scale) with int8 Q dequantized block by block per execution (weight-bound); "
+            "x @ W with W in int4 (group size 128), unpacked block by block per execution (weight-bound); "
             "dynamic batching, preferred batch sizes [16, 32]",
-            "int8-streaming",
+            "int4-streaming",
         ),
         ModelInfo(
-            "dense_int8_unbatched",
+            "dense_int4_unbatched",
             ("1",),
             _DENSE_IN,
             _DENSE_OUT,
             32,
             False,
-            "the same model and weights as dense_int8_batched, without dynamic batching",
-            "int8-streaming",
+            "the same model and weights as dense_int4_batched, without dynamic batching",
+            "int4-streaming",
         ),
         ModelInfo(
             "ranker",
@@ -115,8 +115,8 @@ MODELS: dict[str, ModelInfo] = {
 WEIGHT_SEEDS: dict[tuple[str, str], int] = {
     ("dense_batched", "1"): 1,
     ("dense_unbatched", "1"): 1,
-    ("dense_int8_batched", "1"): 2,
-    ("dense_int8_unbatched", "1"): 2,
+    ("dense_int4_batched", "1"): 2,
+    ("dense_int4_unbatched", "1"): 2,
     ("ranker", "1"): 101,
     ("ranker", "2"): 201,
 }

@@ -102,8 +102,8 @@ class NaiveServer:
                     w = m.make_weights(seed, (dim, dim))
                     computes[(info.compute, seed)] = lambda x, w=w: x @ w
                 else:
-                    q, scale = m.make_int8_weights(seed, dim)
-                    computes[(info.compute, seed)] = lambda x, q=q, s=scale: m.int8_streaming_matmul(x, q, s)
+                    int4 = m.make_int4_weights(seed, dim)
+                    computes[(info.compute, seed)] = lambda x, w=int4: m.int4_streaming_matmul(x, *w)
             self.compute[name] = computes[(info.compute, seed)]
         self.models = set(self.compute)
         self.app = self._build()

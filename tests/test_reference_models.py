@@ -96,7 +96,7 @@ def _concurrent_load(url: str, model: str, requests: int, workers: int) -> None:
 
 @pytest.mark.parametrize(
     ("batched", "unbatched"),
-    [("dense_batched", "dense_unbatched"), ("dense_int8_batched", "dense_int8_unbatched")],
+    [("dense_batched", "dense_unbatched"), ("dense_int4_batched", "dense_int4_unbatched")],
 )
 def test_dynamic_batching_merges_requests_and_the_baseline_does_not(
     triton, batched: str, unbatched: str

@@ -8,7 +8,7 @@ container, where nothing of inferwatch is installed.
 Weights are generated from a seed when the model loads (no downloads), so a test can rebuild
 them and check the served numbers against its own numpy reference:
 ``W = default_rng(seed).standard_normal(shape, float32) * float32(1 / sqrt(rows))``
-(``make_int8_weights`` for the int8 models).
+(``make_int4_weights`` for the int4 models).
 
 Fault injection: before each execution the model stats ``<faults dir>/<model>@<version>.json``
 and ``<faults dir>/<model>.json`` (the first that exists wins) and re-reads it only when it
@@ -43,26 +43,45 @@ def make_weights(seed: int, shape: tuple[int, ...]) -> np.ndarray:
     return w
 
 
-def make_int8_weights(seed: int, dim: int) -> tuple[np.ndarray, np.ndarray]:
-    """int8 weights with a float32 scale per output column (weight-only quantization)."""
+INT4_GROUP = 128  # rows of the weight matrix sharing one scale and zero point, per column
+
+
+def make_int4_weights(seed: int, dim: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """4-bit weights, two per byte (row 2i in the low nibble, row 2i+1 in the high one), with a
+    float32 scale and zero point per group of INT4_GROUP rows and column (weight-only
+    quantization, as int4 large-model serving stores weights). W = (nibble - zero) * scale."""
     rng = np.random.default_rng(seed)
-    q = rng.integers(-127, 128, (dim, dim), dtype=np.int8)
-    scale = (rng.random(dim, dtype=np.float32) + np.float32(0.5)) * np.float32(1.0 / (127 * np.sqrt(dim)))
-    return q, scale
+    packed = rng.integers(0, 256, (dim // 2, dim), dtype=np.uint8)
+    groups = dim // INT4_GROUP
+    scales = (rng.random((groups, dim), dtype=np.float32) + np.float32(0.5)) * np.float32(
+        1.0 / (4 * np.sqrt(dim))
+    )
+    zeros = rng.integers(6, 10, (groups, dim)).astype(np.float32)
+    return packed, scales, zeros
 
 
-def int8_streaming_matmul(x: np.ndarray, q: np.ndarray, scale: np.ndarray, block: int = 256) -> np.ndarray:
-    """x @ (q * scale), dequantizing the weights block by block on every call.
+def int4_streaming_matmul(
+    x: np.ndarray, packed: np.ndarray, scales: np.ndarray, zeros: np.ndarray, block: int = 256
+) -> np.ndarray:
+    """x @ W, unpacking and dequantizing the int4 weights block by block on every call.
 
-    This is the weight-bound path of quantized model serving (weights stay compressed and are
-    expanded as they stream through): each call reads and converts every weight once, whatever
-    the batch, and then each row costs little. So one call's cost is nearly flat in the batch
-    size, as a large model's step is on a GPU, and batching pays on a CPU too.
+    This is the weight-bound path of quantized model serving: the weights stay compressed and
+    are expanded as they stream through, so each call pays for every weight once whatever the
+    batch, and each extra row costs little. One call's cost is nearly flat in the batch size,
+    as a large model's step is on a GPU, so batching pays on a CPU too.
     """
-    y = np.zeros((x.shape[0], q.shape[1]), dtype=np.float32)
-    for start in range(0, q.shape[0], block):
-        y += x[:, start : start + block] @ q[start : start + block].astype(np.float32)
-    y *= scale
+    dim = packed.shape[1]
+    y = np.zeros((x.shape[0], dim), dtype=np.float32)
+    nibbles = np.empty((block, dim), dtype=np.uint8)
+    for start in range(0, 2 * packed.shape[0], block):
+        p = packed[start // 2 : (start + block) // 2]
+        np.bitwise_and(p, 0x0F, out=nibbles[0::2])
+        np.right_shift(p, 4, out=nibbles[1::2])
+        g = slice(start // INT4_GROUP, (start + block) // INT4_GROUP)
+        w = nibbles.astype(np.float32).reshape(-1, INT4_GROUP, dim)
+        w -= zeros[g, None, :]
+        w *= scales[g, None, :]
+        y += x[:, start : start + block] @ w.reshape(block, dim)
     return y
 
 
@@ -115,11 +134,9 @@ class TritonPythonModel:
             dim = int(params.get("dim", "4096"))
             self.input_name, self.output_name = "INPUT", "OUTPUT"
             self.weights = make_weights(int(params.get("seed", "0")), (dim, dim))
-        elif self.kind == "dense_int8":
+        elif self.kind == "dense_int4":
             self.input_name, self.output_name = "INPUT", "OUTPUT"
-            self.q, self.scale = make_int8_weights(
-                int(params.get("seed", "0")), int(params.get("dim", "4096"))
-            )
+            self.int4 = make_int4_weights(int(params.get("seed", "0")), int(params.get("dim", "4096")))
         elif self.kind == "ranker":
             features = int(params.get("features", "32"))
             self.input_name, self.output_name = "FEATURES", "SCORES"
@@ -135,8 +152,8 @@ class TritonPythonModel:
     def _compute(self, x: np.ndarray) -> np.ndarray:
         if self.kind == "dense":
             return x @ self.weights
-        if self.kind == "dense_int8":
-            return int8_streaming_matmul(x, self.q, self.scale)
+        if self.kind == "dense_int4":
+            return int4_streaming_matmul(x, *self.int4)
         h = np.tanh(x @ self.w1) if self.w1 is not None else x
         return (h @ self.w2)[..., 0]
 
