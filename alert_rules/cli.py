@@ -16,6 +16,205 @@ DEFAULT_SPEC = "fleet.yaml"
 def register(sub: argparse._SubParsersAction) -> None:
     _register_rules(sub)
     _register_pager(sub)
+    _register_alerts(sub)
+
+
+def _am_url_arg(parser: argparse.ArgumentParser) -> None:
+    from alert_rules.am_client import DEFAULT_URL, URL_ENV
+
+    parser.add_argument(
+        "--alertmanager",
+        default=os.environ.get(URL_ENV, DEFAULT_URL),
+        help=f"Alertmanager base URL (default: ${URL_ENV} or {DEFAULT_URL})",
+    )
+
+
+def _register_alerts(sub: argparse._SubParsersAction) -> None:
+    alerts = sub.add_parser(
+        "alerts",
+        help="list the alerts Alertmanager holds (firing, silenced, inhibited)",
+        description="List the alerts Alertmanager holds, through its API v2.",
+    )
+    _am_url_arg(alerts)
+    alerts.add_argument(
+        "matchers",
+        nargs="*",
+        metavar="MATCHER",
+        help="label matchers: name=value, name!=v, name=~re, name!~re",
+    )
+    alerts.add_argument(
+        "--state",
+        choices=("all", "active", "suppressed"),
+        default="all",
+        help="active: notified; suppressed: silenced or inhibited (default: %(default)s)",
+    )
+    alerts.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    alerts.set_defaults(func=_alerts)
+
+    silence = sub.add_parser("silence", help="create, list and expire Alertmanager silences")
+    silence_sub = silence.add_subparsers(dest="silence_command", metavar="SUBCOMMAND", required=True)
+    add = silence_sub.add_parser(
+        "add",
+        help="silence the alerts matching all MATCHERs for a while",
+        description="Create a silence, e.g.: inferwatch silence add model=ranker version=2 --duration 2h "
+        '--comment "rollback in progress"',
+    )
+    _am_url_arg(add)
+    add.add_argument("matchers", nargs="+", metavar="MATCHER", help="name=value, name!=v, name=~re, name!~re")
+    add.add_argument("--duration", default="1h", help="how long, e.g. 30m, 2h (default: %(default)s)")
+    add.add_argument("--comment", required=True, help="why (shown to everyone who sees the silence)")
+    add.add_argument("--author", default=os.environ.get("USER", "inferwatch"), help="who (default: $USER)")
+    add.set_defaults(func=_silence_add)
+    ls = silence_sub.add_parser("list", help="list silences")
+    _am_url_arg(ls)
+    ls.add_argument("--all", action="store_true", help="include expired silences")
+    ls.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    ls.set_defaults(func=_silence_list)
+    expire = silence_sub.add_parser("expire", help="end silences now")
+    _am_url_arg(expire)
+    expire.add_argument("ids", nargs="+", metavar="ID", help="silence ids (from 'silence list')")
+    expire.set_defaults(func=_silence_expire)
+
+
+def _matchers(texts: list[str]):
+    from alert_rules.am_client import Matcher
+
+    try:
+        return [Matcher.parse(t) for t in texts]
+    except ValueError as exc:
+        raise CliError(str(exc), code=2) from None
+
+
+def _client(args: argparse.Namespace):
+    from alert_rules.am_client import AlertmanagerClient
+
+    return AlertmanagerClient(args.alertmanager)
+
+
+def _iso(t) -> str:
+    return t.strftime("%Y-%m-%d %H:%M:%S") if t else ""
+
+
+def _alerts(args: argparse.Namespace) -> int:
+    import json
+
+    from alert_rules.am_client import AlertmanagerError
+
+    matchers = _matchers(args.matchers)
+    try:
+        with _client(args) as am:
+            alerts = am.alerts(matchers)
+    except AlertmanagerError as exc:
+        raise CliError(str(exc)) from None
+    if args.state != "all":
+        alerts = [a for a in alerts if a.state == args.state]
+    if args.json:
+        print(
+            json.dumps(
+                [
+                    {
+                        "fingerprint": a.fingerprint,
+                        "state": a.state,
+                        "labels": a.labels,
+                        "annotations": a.annotations,
+                        "starts_at": a.starts_at.isoformat() if a.starts_at else None,
+                        "silenced_by": a.silenced_by,
+                        "inhibited_by": a.inhibited_by,
+                        "receivers": a.receivers,
+                    }
+                    for a in alerts
+                ],
+                indent=2,
+            )
+        )
+        return 0
+    if not alerts:
+        print("no alerts")
+        return 0
+    for a in alerts:
+        why = " (inhibited)" if a.inhibited_by else " (silenced)" if a.silenced_by else ""
+        labels = " ".join(
+            f"{k}={v}" for k, v in sorted(a.labels.items()) if k not in ("alertname", "severity")
+        )
+        print(
+            f"{a.state + why:<22} {a.labels.get('severity', ''):<9} {a.name:<30} {labels}  "
+            f"since {_iso(a.starts_at)}  {a.annotations.get('summary', '')}"
+        )
+    return 0
+
+
+def _silence_add(args: argparse.Namespace) -> int:
+    from datetime import timedelta
+
+    from alert_rules.am_client import AlertmanagerError
+    from inferwatch.spec import duration_seconds
+
+    matchers = _matchers(args.matchers)
+    try:
+        duration = timedelta(seconds=duration_seconds(args.duration))
+    except ValueError as exc:
+        raise CliError(f"--duration: {exc}", code=2) from None
+    if not args.comment.strip():
+        raise CliError("--comment must say why", code=2)
+    try:
+        with _client(args) as am:
+            silence_id = am.create_silence(matchers, duration, args.author, args.comment)
+    except AlertmanagerError as exc:
+        raise CliError(str(exc)) from None
+    print(silence_id)
+    return 0
+
+
+def _silence_list(args: argparse.Namespace) -> int:
+    import json
+
+    from alert_rules.am_client import AlertmanagerError
+
+    try:
+        with _client(args) as am:
+            silences = am.silences()
+    except AlertmanagerError as exc:
+        raise CliError(str(exc)) from None
+    if not args.all:
+        silences = [s for s in silences if s.state != "expired"]
+    if args.json:
+        print(
+            json.dumps(
+                [
+                    {
+                        "id": s.id,
+                        "state": s.state,
+                        "matchers": [str(m) for m in s.matchers],
+                        "starts_at": s.starts_at.isoformat() if s.starts_at else None,
+                        "ends_at": s.ends_at.isoformat() if s.ends_at else None,
+                        "created_by": s.created_by,
+                        "comment": s.comment,
+                    }
+                    for s in silences
+                ],
+                indent=2,
+            )
+        )
+        return 0
+    if not silences:
+        print("no silences")
+    for s in silences:
+        matchers = ",".join(str(m) for m in s.matchers)
+        print(f"{s.id}  {s.state:<8} until {_iso(s.ends_at)}  {matchers}  {s.created_by}: {s.comment}")
+    return 0
+
+
+def _silence_expire(args: argparse.Namespace) -> int:
+    from alert_rules.am_client import AlertmanagerError
+
+    try:
+        with _client(args) as am:
+            for silence_id in args.ids:
+                am.expire_silence(silence_id)
+                print(f"expired {silence_id}")
+    except AlertmanagerError as exc:
+        raise CliError(str(exc)) from None
+    return 0
 
 
 def _register_pager(sub: argparse._SubParsersAction) -> None:
