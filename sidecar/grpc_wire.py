@@ -85,18 +85,50 @@ def read_strings(buf: bytes, first: int, second: int = 0, third: int = 0) -> tup
     """The string fields numbered ``first``, ``second`` and ``third`` ("" when absent or 0).
 
     Like protobuf parsers, the last occurrence of a repeated scalar wins, so the whole top
-    level is walked; that costs one step per field, never per byte.
+    level is walked; that costs one step per field, never per byte. This is the per-request
+    hot path, so the walk is inlined (single-byte keys and lengths take the fast branch).
     """
     a = b = c = ""
-    for number, wtype, start, stop in _fields(buf, 0, len(buf)):
-        if wtype != _LEN:
-            continue
-        if number == first:
-            a = _text(buf, start, stop)
-        elif number == second:
-            b = _text(buf, start, stop)
-        elif number == third:
-            c = _text(buf, start, stop)
+    pos, end = 0, len(buf)
+    try:
+        while pos < end:
+            key = buf[pos]
+            if key < 0x80:
+                pos += 1
+            else:
+                key, pos = _varint(buf, pos)
+            wtype = key & 7
+            if wtype == _LEN:
+                length = buf[pos]
+                if length < 0x80:
+                    pos += 1
+                else:
+                    length, pos = _varint(buf, pos)
+                stop = pos + length
+                if stop > end:
+                    raise WireError(f"field {key >> 3} runs past the end of the message")
+                number = key >> 3
+                if number == first:
+                    a = _text(buf, pos, stop)
+                elif number == second:
+                    b = _text(buf, pos, stop)
+                elif number == third:
+                    c = _text(buf, pos, stop)
+                pos = stop
+            elif wtype == _VARINT:
+                pos = _varint(buf, pos)[1]
+            elif wtype == _I64:
+                pos += 8
+            elif wtype == _I32:
+                pos += 4
+            else:
+                raise WireError(f"unsupported wire type {wtype} (field {key >> 3})")
+            if key >> 3 == 0:
+                raise WireError("field number 0")
+    except IndexError:
+        raise WireError("truncated message") from None
+    if pos > end:
+        raise WireError("the last field runs past the end of the message")
     return a, b, c
 
 
