@@ -9,10 +9,11 @@ guard, and never waits past its deadline for a GPU that hangs.
 from __future__ import annotations
 
 import logging
+import queue
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from concurrent.futures import wait as wait_futures
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -215,8 +216,8 @@ class GpuCollector(Collector):
         self.fields = tuple(fields)
         self.timeout_s = timeout_s
         self._lock = threading.Lock()
-        self._pool: ThreadPoolExecutor | None = None
-        self._pool_for: Ready | None = None
+        self._workers: list[_Worker] = []
+        self._workers_for: Ready | None = None
         self._inflight: dict[int, Future[RawGpu | None]] = {}
         if registry is not None:
             registry.register(self)
@@ -268,14 +269,11 @@ class GpuCollector(Collector):
     def _read_all(self, ready: Ready) -> list[RawGpu | None]:
         if not ready.backend.may_block:
             return [self._read_one(ready, d.index) for d in ready.devices]
-        if self._pool_for is not ready:
-            # One worker per GPU and at most one read in flight per GPU: a hung GPU holds only its own.
-            self._pool = ThreadPoolExecutor(
-                max_workers=len(ready.devices) or 1, thread_name_prefix="gpu-read"
-            )
-            self._pool_for = ready
+        if self._workers_for is not ready:
+            # One worker per GPU, at most one read in flight on it: a hung GPU holds only its own.
+            self._workers = [_Worker(f"gpu-read-{d.index}") for d in ready.devices]
+            self._workers_for = ready
             self._inflight = {}
-        assert self._pool is not None
         deadline = time.monotonic() + self.timeout_s
         futures: dict[int, Future[Any]] = {}
         for d in ready.devices:
@@ -283,7 +281,7 @@ class GpuCollector(Collector):
             if prev is not None and not prev.done():
                 self.source.errors.add(CALL_STALLED, str(d.index))
                 continue
-            fut = self._pool.submit(self._read_one, ready, d.index)
+            fut = self._workers[d.index].submit(lambda d=d: self._read_one(ready, d.index))
             futures[d.index] = self._inflight[d.index] = fut
         wait_futures(list(futures.values()), timeout=max(0.0, deadline - time.monotonic()))
         out: list[RawGpu | None] = []
@@ -296,3 +294,26 @@ class GpuCollector(Collector):
                     self.source.errors.add(CALL_TIMEOUT, str(d.index))
                 out.append(None)
         return out
+
+
+class _Worker:
+    """A daemon thread running one GPU's reads in turn. Daemon, unlike a ThreadPoolExecutor's
+    workers, so a read hung inside NVML cannot hold the process open after SIGTERM."""
+
+    def __init__(self, name: str) -> None:
+        self._jobs: queue.SimpleQueue[tuple[Callable[[], Any], Future[Any]]] = queue.SimpleQueue()
+        threading.Thread(target=self._run, name=name, daemon=True).start()
+
+    def submit(self, fn: Callable[[], T]) -> Future[T]:
+        fut: Future[T] = Future()
+        self._jobs.put((fn, fut))
+        return fut
+
+    def _run(self) -> None:
+        while True:
+            fn, fut = self._jobs.get()
+            if fut.set_running_or_notify_cancel():
+                try:
+                    fut.set_result(fn())
+                except BaseException as exc:
+                    fut.set_exception(exc)
