@@ -15,6 +15,7 @@ import pytest
 import yaml
 from kubernetes_validate.utils import ValidationError as K8sValidationError
 
+from alert_rules import pager as pager_module
 from inferwatch import __version__, contract
 from inferwatch.cli import build_parser
 from sidecar import config as sidecar_config
@@ -304,7 +305,7 @@ def test_alertmanager_config_routes_every_inferwatch_alert_by_severity(
     assert set(by_severity) == set(contract.SEVERITIES)
     # Secret the pager Deployment reads and the AlertmanagerConfig sends: the same one.
     pager = one(overlay_builds["example"], "Deployment", "inferwatch-pager")
-    (token_env,) = [e for e in pager_container(pager).get("env", []) if e["name"] == "INFERWATCH_PAGER_TOKEN"]
+    (token_env,) = [e for e in pager_container(pager).get("env", []) if e["name"] == pager_module.TOKEN_ENV]
     ref = token_env["valueFrom"]["secretKeyRef"]
     for r in amc["spec"]["receivers"]:
         for hook in r["webhookConfigs"]:
