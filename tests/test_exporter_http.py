@@ -74,6 +74,7 @@ def test_inferwatch_metrics_have_contract_names_types_and_labels(gpu_exporter: R
         fam = fams[family_key(m)]
         assert fam.type == m.type
         assert fam.documentation == m.help
+        assert not m.unit or m.name.endswith(f"_{m.unit}"), m.name  # Prometheus naming: unit suffix
         for s in fam.samples:
             assert tuple(s.labels) == m.labels or set(s.labels) == set(m.labels), (m.name, s.labels)
     info = fams[family_key(c.GPU_BACKEND_INFO)].samples
@@ -286,4 +287,36 @@ def test_port_in_use_fails_with_one_line(gpu_exporter: RunningExporter) -> None:
     assert proc.returncode == 1
     assert proc.stderr.splitlines()[-1].startswith(
         f"inferwatch: error: cannot listen on 127.0.0.1:{gpu_exporter.port}"
+    )
+
+
+def test_fields_option_collects_only_the_listed_fields(tmp_path) -> None:
+    fields = tmp_path / "counters.csv"
+    fields.write_text(
+        f"# trimmed\n{c.DCGM_FB_USED.name}, gauge, Used (in MiB).\n"
+        f"{c.DCGM_GPU_UTIL.name}, gauge, Util (in %).\n"
+    )
+    with start_gpu_exporter(tmp_path, "--backend", "simulated", "--fields", str(fields)) as exp:
+        fams = exp.scrape()
+    dcgm = sorted(name for name in fams if name.startswith("DCGM_"))
+    assert dcgm == sorted([c.DCGM_FB_USED.name, c.DCGM_GPU_UTIL.name])
+    assert fams[c.DCGM_FB_USED.name].documentation == "Used (in MiB)."
+    assert c.GPU_FB_TOTAL_BYTES.name in fams  # inferwatch's own metrics are not in the fields file
+
+
+def test_a_malformed_fields_file_is_refused_naming_its_line(tmp_path) -> None:
+    fields = tmp_path / "counters.csv"
+    fields.write_text(f"{c.DCGM_FB_USED.name}, gauge, ok\n\n{c.DCGM_GPU_UTIL.name}, counter, wrong type\n")
+    proc = subprocess.run(
+        inferwatch_cmd(
+            "gpu-exporter", "--backend", "simulated", "--port", str(free_port()), "--fields", str(fields)
+        ),
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
+    assert proc.returncode == 2
+    assert proc.stderr == (
+        f"inferwatch: error: {fields}:3: {c.DCGM_GPU_UTIL.name}: "
+        "type 'counter' differs from dcgm-exporter's 'gauge'\n"
     )
