@@ -10,6 +10,8 @@ is covered by the sidecar suites.
 from __future__ import annotations
 
 import asyncio
+import http.server
+import json
 import queue
 import subprocess
 import threading
@@ -23,7 +25,11 @@ import numpy as np
 import pytest
 import tritonclient.grpc as tgrpc
 import uvloop
+from opentelemetry.sdk.trace import TracerProvider
+from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from prometheus_client import CollectorRegistry
+from prometheus_client.openmetrics.exposition import generate_latest as generate_latest_openmetrics
 from tritonclient.grpc import service_pb2 as pb
 from tritonclient.utils import InferenceServerException
 
@@ -61,9 +67,9 @@ class LoopThread:
 class InProcessProxy:
     """``GrpcProxy`` with a real ``Telemetry``, served from the shared event-loop thread."""
 
-    def __init__(self, loop: asyncio.AbstractEventLoop, upstream: str, **kwargs) -> None:
+    def __init__(self, loop: asyncio.AbstractEventLoop, upstream: str, tracer=None, **kwargs) -> None:
         self.registry = CollectorRegistry()
-        self.telemetry = Telemetry(self.registry, SidecarConfig())
+        self.telemetry = Telemetry(self.registry, SidecarConfig(), tracer)
         self.loop = loop
         self.proxy = GrpcProxy(upstream, self.telemetry, **kwargs)
         self.url = f"127.0.0.1:{self.run(self.proxy.start('127.0.0.1', 0))}"
@@ -509,3 +515,91 @@ def test_dead_upstream_is_unavailable_fast_counted_and_recovers(loop, tmp_path) 
         assert p.in_flight() == 0
     finally:
         p.close()
+
+
+# --------------------------------------------------------------------------- tracing
+
+
+class OtlpJsonReceiver:
+    """Collects the spans Triton exports (OTLP/HTTP, JSON) on a loopback port."""
+
+    def __init__(self) -> None:
+        self.spans: list[dict] = []
+        receiver = self
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def do_POST(self) -> None:
+                body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+                for rs in body.get("resourceSpans", []):
+                    for ss in rs.get("scopeSpans", []):
+                        receiver.spans.extend(ss.get("spans", []))
+                self.send_response(200)
+                self.send_header("Content-Length", "0")
+                self.end_headers()
+
+            def log_message(self, format: str, *args) -> None:
+                pass
+
+        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.port = self.server.server_address[1]
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    def close(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+
+
+def test_trace_context_reaches_triton_through_the_proxy(loop, tmp_path) -> None:
+    """With tracing on, the proxy's server span continues the client's trace and is the parent of
+    Triton's own span (Triton exports its spans over OTLP); the histogram exemplar carries the trace."""
+    receiver = OtlpJsonReceiver()
+    server = TritonServer(
+        grpc_port=free_port(),
+        http_port=free_port(),
+        metrics_port=free_port(),
+        state_dir_path=tmp_path,
+        extra_args=(
+            "--model-control-mode=explicit",
+            "--load-model=ranker",
+            "--trace-config=mode=opentelemetry",
+            "--trace-config=rate=1",
+            "--trace-config=level=TIMESTAMPS",
+            f"--trace-config=opentelemetry,url=127.0.0.1:{receiver.port}/v1/traces",
+            "--trace-config=opentelemetry,bsp_schedule_delay=100",
+        ),
+    ).start()
+    exporter = InMemorySpanExporter()
+    provider = TracerProvider()
+    provider.add_span_processor(SimpleSpanProcessor(exporter))
+    p = InProcessProxy(loop, server.grpc_url, tracer=provider.get_tracer("test"))
+    try:
+        p.serve_models({"ranker": ["1", "2"]})
+        client = tgrpc.InferenceServerClient(p.url)
+        client.infer(
+            "ranker", infer_inputs("ranker"), model_version="1", headers={"traceparent": TRACEPARENT}
+        )
+        ours = wait_for(exporter.get_finished_spans, what="the proxy's span")[0]
+        assert ours.name == "inference.GRPCInferenceService/ModelInfer"
+        assert ours.kind.name == "SERVER"
+        assert format(ours.context.trace_id, "032x") == TRACEPARENT.split("-")[1]
+        assert format(ours.parent.span_id, "016x") == TRACEPARENT.split("-")[2]
+        assert ours.attributes["rpc.system"] == "grpc"
+        assert ours.attributes["rpc.method"] == "ModelInfer"
+        assert ours.attributes["rpc.grpc.status_code"] == 0
+
+        def triton_request_span() -> dict | None:
+            return next(
+                (s for s in receiver.spans if s.get("parentSpanId") and s["name"] == "InferRequest"), None
+            )
+
+        theirs = wait_for(triton_request_span, timeout=15, what="Triton's span")
+        assert theirs["traceId"] == TRACEPARENT.split("-")[1]
+        assert theirs["parentSpanId"] == format(ours.context.span_id, "016x")
+
+        text = generate_latest_openmetrics(p.registry).decode()
+        assert f'trace_id="{TRACEPARENT.split("-")[1]}"' in text
+    finally:
+        p.close()
+        server.stop()
+        receiver.close()
+        provider.shutdown()
