@@ -23,6 +23,7 @@ COMMAND_MODULES = [
     "dashboards.cli",
     "exporters.cli",
     "alert_rules.cli",
+    "inferwatch.stack.cli",
 ]
 
 EXIT_USAGE = 2

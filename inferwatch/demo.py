@@ -33,12 +33,15 @@ PHASE_FAULTS = "faults"
 PHASE_RECOVERY = "recovery"
 PHASE_DONE = "done"
 
-# The models the steady traffic hits, as model:version with relative weights.
+# The steady traffic: (model, version, relative weight). Every version is named, so each
+# page's version label is known in advance. The dense models read 64 MiB of weights per
+# request (tens of ms of CPU here), so they get a small share; the cheap ranker gets more,
+# which also gives its P99 enough samples per window to be more than one request's noise.
 TRAFFIC_MIX = (
     ("dense_batched", "1", 1.0),
     ("dense_unbatched", "1", 1.0),
-    ("ranker", "1", 1.0),
-    ("ranker", "2", 1.0),
+    ("ranker", "1", 4.0),
+    ("ranker", "2", 4.0),
 )
 
 
@@ -102,6 +105,22 @@ def resolve_bound(spec: FleetSpec, alertname: str) -> float:
     )
 
 
+def default_steady(spec: FleetSpec) -> float:
+    """A steady phase long enough for every tier's rule to have fired from a cold start had
+    anything been wrong: the longest time a rule needs (N error windows of data, or a
+    ``for``), one evaluation, the longest group wait. So "nothing paged while healthy" is a
+    statement about every rule."""
+    a = spec.alerts
+    spans = (
+        a.error_rate.consecutive_windows * duration_seconds(a.error_rate.window),
+        duration_seconds(a.latency.for_),
+        duration_seconds(a.gpu_memory.for_),
+    )
+    routes = (spec.routing.critical, spec.routing.warning, spec.routing.info)
+    wait = max(duration_seconds(r.group_wait) for r in routes)
+    return max(spans) + duration_seconds(spec.prometheus.evaluation_interval) + wait
+
+
 def deadline_after(minimum: float) -> float:
     """How long past its theoretical minimum a notification may take on a busy machine
     before the demo calls it lost."""
@@ -113,24 +132,30 @@ def deadline_after(minimum: float) -> float:
 # ---------------------------------------------------------------------------------------
 @dataclass
 class Page:
-    """One alert of one notification as the pager stored it."""
+    """One alert occurrence as the pager stores it: firing until its resolved
+    notification arrives (the pager keys it by receiver, fingerprint and start)."""
 
-    key: str  # the pager's id for the stored record (dedup across polls)
-    received_at: float  # epoch seconds
-    status: str  # firing | resolved
+    key: str
     alertname: str
     severity: str
     labels: dict[str, str]
     annotations: dict[str, str]
+    status: str  # firing | resolved
+    received_at: float  # when its first (firing) notification arrived, epoch seconds
+    last_received_at: float  # the latest notification (the resolved one, once resolved)
+    notifications: int = 1
     receiver: str = ""
 
+    @property
+    def resolved_at(self) -> float | None:
+        return self.last_received_at if self.status == "resolved" else None
+
+    def ident(self) -> str:
+        keys = [k for k in (*contract.MODEL_ALERT_LABELS, contract.L_GPU) if k in self.labels]
+        return ", ".join(f"{k}={self.labels[k]}" for k in keys)
+
     def describe(self) -> str:
-        ident = ", ".join(
-            f"{k}={self.labels[k]}"
-            for k in (*contract.MODEL_ALERT_LABELS, contract.L_GPU)
-            if k in self.labels
-        )
-        return f"{self.alertname} [{self.severity}] {ident}".strip()
+        return f"{self.alertname} [{self.severity}] {self.ident()}".strip()
 
 
 @dataclass
@@ -179,6 +204,7 @@ class DemoResult:
     unexpected_pages: list[Page] = field(default_factory=list)
     pages: list[Page] = field(default_factory=list)
     traffic: dict = field(default_factory=dict)
+    faults_started_at: float | None = None
     ended_at: float = 0.0
     aborted: str = ""
 
@@ -243,25 +269,25 @@ def _epoch(value: object) -> float | None:
 
 
 def parse_pages(data: object, now: float) -> list[Page]:
-    """The pager's ``GET /pages`` answer as Page records."""
-    items = data.get("pages", []) if isinstance(data, dict) else data
+    """The pager's ``GET /pages`` answer (``{"pages": [...]}``) as Page records."""
+    items = data.get("pages", []) if isinstance(data, dict) else []
     out = []
-    for i, item in enumerate(items or []):
+    for item in items:
         if not isinstance(item, dict):
             continue
-        labels = dict(item.get("labels") or {})
-        annotations = dict(item.get("annotations") or {})
-        received = _epoch(item.get("received_at")) or now
-        key = str(item.get("id", f"{i}:{item.get('fingerprint', '')}:{item.get('status', '')}:{received}"))
+        labels = {str(k): str(v) for k, v in (item.get("labels") or {}).items()}
+        first = _epoch(item.get("first_received_at")) or now
         out.append(
             Page(
-                key=key,
-                received_at=received,
-                status=str(item.get("status", "")),
-                alertname=labels.get("alertname", ""),
-                severity=labels.get("severity", ""),
+                key=f"{item.get('receiver', '')}|{item.get('fingerprint', '')}|{item.get('starts_at', '')}",
+                alertname=str(item.get("alertname") or labels.get("alertname", "")),
+                severity=str(item.get("severity") or labels.get("severity", "")),
                 labels=labels,
-                annotations=annotations,
+                annotations={str(k): str(v) for k, v in (item.get("annotations") or {}).items()},
+                status=str(item.get("status", "")),
+                received_at=first,
+                last_received_at=_epoch(item.get("last_received_at")) or first,
+                notifications=int(item.get("notifications", 1)),
                 receiver=str(item.get("receiver", "")),
             )
         )
@@ -288,7 +314,7 @@ class Observer:
         self,
         info: StackInfo,
         spec: FleetSpec,
-        on_page: Callable[[Page], None],
+        on_page: Callable[[Page, str], None],
         on_alert: Callable[[AlertState, str], None],
         interval: float = 1.0,
     ) -> None:
@@ -298,7 +324,7 @@ class Observer:
         self.on_alert = on_alert
         self.alerts: dict[tuple, AlertState] = {}
         self.rates: dict[tuple[str, str], tuple[float, float]] = {}
-        self.seen_pages: set[str] = set()
+        self.seen_pages: dict[str, str] = {}  # key -> status already reported
         self.errors = 0
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="demo-observer", daemon=True)
@@ -317,7 +343,7 @@ class Observer:
     def baseline(self) -> None:
         """Remember the pages already stored (from an earlier run), so only new ones count."""
         for page in self._fetch_pages():
-            self.seen_pages.add(page.key)
+            self.seen_pages[page.key] = "resolved"  # an old occurrence never counts again
 
     def start(self) -> None:
         self.baseline()
@@ -330,9 +356,14 @@ class Observer:
 
     def poll_once(self) -> None:
         for page in self._fetch_pages():
-            if page.key not in self.seen_pages:
-                self.seen_pages.add(page.key)
-                self.on_page(page)
+            seen = self.seen_pages.get(page.key)
+            if seen is None:
+                self.seen_pages[page.key] = "firing"
+                self.on_page(page, "firing")
+                seen = "firing"
+            if page.status == "resolved" and seen != "resolved":
+                self.seen_pages[page.key] = "resolved"
+                self.on_page(page, "resolved")
         self._poll_alerts()
         self._poll_rates()
 
@@ -346,9 +377,9 @@ class Observer:
             self._stop.wait(self.interval)
 
     def _fetch_pages(self) -> list[Page]:
-        resp = self._client.get(self.info.url("pager", "/pages"))
+        resp = self._client.get(self.info.url("pager", "/pages"), params={"limit": "5000"})
         resp.raise_for_status()
-        return sorted(parse_pages(resp.json(), time.time()), key=lambda p: p.received_at)
+        return sorted(parse_pages(resp.json(), time.time()), key=lambda p: (p.received_at, p.key))
 
     def _poll_alerts(self) -> None:
         resp = self._client.get(self.info.url("prometheus", "/api/v1/alerts"))
@@ -395,43 +426,33 @@ class Observer:
 # Actions on the stack
 # ---------------------------------------------------------------------------------------
 class Traffic:
-    """Steady open-loop traffic through the sidecar, in a thread, until stopped."""
+    """Steady open-loop traffic through the sidecar (reference_server.loadgen in its own
+    thread) until stopped."""
 
-    def __init__(self, info: StackInfo, rate: float) -> None:
-        from reference_server import loadgen
+    def __init__(self, info: StackInfo, rate: float, mix: tuple[tuple[str, str, float], ...]) -> None:
+        from reference_server.loadgen import LoadConfig, LoadGenerator, Target
 
-        self.info = info
-        self.rate = rate
-        self._stop = threading.Event()
-        self._loadgen = loadgen
-        self._thread = threading.Thread(target=self._run, name="demo-traffic", daemon=True)
+        targets = [Target(model, version, weight) for model, version, weight in mix]
+        config = LoadConfig(url=info.sidecar_http, protocol="http", targets=targets, rate=rate, duration=None)
+        self._gen = LoadGenerator(config)
         self.summary: dict = {}
-        self.error: str = ""
+        self.error = ""
 
     def start(self) -> None:
-        self._thread.start()
-
-    def _run(self) -> None:
-        try:
-            self.summary = run_load(self._loadgen, self.info.sidecar_http, self.rate, self._stop)
-        except Exception as exc:  # the demo reports it; traffic dying must not hang the demo
-            self.error = f"{type(exc).__name__}: {exc}"
-            log("error", "demo traffic failed", error=self.error)
+        self._gen.start()
 
     def stop(self) -> None:
-        self._stop.set()
-        self._thread.join(timeout=30)
+        try:
+            self.summary = self._gen.stop(timeout=30).to_dict()
+        except Exception as exc:  # the load generator's own failure, reported by the demo
+            self.error = f"{type(exc).__name__}: {exc}"
 
     @property
     def alive(self) -> bool:
-        return self._thread.is_alive()
+        return self._gen.running
 
-
-def run_load(loadgen, url: str, rate: float, stop: threading.Event) -> dict:
-    """Drive reference_server.loadgen until ``stop`` is set; returns its summary."""
-    mix = [loadgen.ModelTarget(m, v, w) for m, v, w in TRAFFIC_MIX]
-    result = loadgen.run(url=url, protocol="http", rate=rate, duration=None, models=mix, stop=stop)
-    return result.to_json() if hasattr(result, "to_json") else dict(result)
+    def snapshot(self) -> dict:
+        return self._gen.snapshot().to_dict()
 
 
 def set_fault(
@@ -451,7 +472,7 @@ def set_fault(
 def clear_faults(info: StackInfo) -> None:
     from reference_server import faults
 
-    faults.clear_faults(state_dir=info.faults_state_dir)
+    faults.clear(state_dir=info.faults_state_dir)
 
 
 def simulate_gpu(info: StackInfo, body: dict) -> bool:
@@ -468,8 +489,9 @@ def simulate_gpu(info: StackInfo, body: dict) -> bool:
 # ---------------------------------------------------------------------------------------
 @dataclass
 class Scenario:
-    steady_s: float | None = None  # default: the error rule's windows
-    rate: float = 24.0
+    steady_s: float | None = None  # default: default_steady(spec)
+    rate: float = 20.0
+    mix: tuple[tuple[str, str, float], ...] = TRAFFIC_MIX
     error_model: str = "dense_unbatched"
     error_version: str = "1"
     error_rate: float = 0.5
@@ -532,10 +554,7 @@ class Demo:
         self.sc = scenario
         self.stop_event = stop
         self.faults = plan_faults(spec, scenario)
-        steady = scenario.steady_s
-        if steady is None:
-            er = spec.alerts.error_rate
-            steady = er.consecutive_windows * duration_seconds(er.window)
+        steady = scenario.steady_s if scenario.steady_s is not None else default_steady(spec)
         self.result = DemoResult(str(info.spec_path), time.time(), steady, self.faults)
         self.phase = PHASE_STEADY
         self.phase_started = time.time()
@@ -545,25 +564,34 @@ class Demo:
         self._lock = threading.Lock()
 
     # -- callbacks from the observer thread --------------------------------------------
-    def _on_page(self, page: Page) -> None:
+    def _on_page(self, page: Page, event: str) -> None:
+        """A new alert occurrence (``firing``) or its resolution (``resolved``)."""
+        r = self.result
         with self._lock:
-            self.result.pages.append(page)
-            fault = next((f for f in self.faults if f.matches(page)), None)
-            if self.phase == PHASE_STEADY:
-                self.result.steady_pages.append(page)
-            elif fault is None or fault.injected_at is None:
-                self.result.unexpected_pages.append(page)
-            elif page.status == "firing":
-                fault.firing_pages += 1
-                if fault.page_at is None:
-                    fault.page_at, fault.page = page.received_at, page
-            elif page.status == "resolved":
-                fault.resolved_pages += 1
-                if fault.cleared_at is not None and fault.resolved_at is None:
-                    fault.resolved_at = page.received_at
-        when = page.received_at - self.result.started_at
-        self.reporter.event(f"page {page.status}: {page.describe()} (t+{when:.1f}s)")
-        log("info", "page received", status=page.status, alert=page.alertname, labels=page.describe())
+            if event == "firing":
+                r.pages.append(page)
+                fault = next((f for f in self.faults if f.matches(page)), None)
+                faults_at = r.faults_started_at
+                if faults_at is None or page.received_at < faults_at:
+                    r.steady_pages.append(page)
+                elif fault is None or fault.injected_at is None or page.received_at < fault.injected_at:
+                    r.unexpected_pages.append(page)
+                else:
+                    fault.firing_pages += 1
+                    if fault.page is None:
+                        fault.page_at, fault.page = page.received_at, page
+            else:
+                # The stored occurrence changed state: keep the latest copy.
+                r.pages = [page if p.key == page.key else p for p in r.pages]
+                for f in self.faults:
+                    if f.page is not None and f.page.key == page.key:
+                        f.page = page
+                        if f.cleared_at is not None and f.resolved_at is None:
+                            f.resolved_at = page.last_received_at
+                        f.resolved_pages += 1
+        at = page.received_at if event == "firing" else page.last_received_at
+        self.reporter.event(f"page {event}: {page.describe()} (t+{at - r.started_at:.1f}s)")
+        log("info", "page received", status=event, alert=page.alertname, labels=page.ident())
 
     def _on_alert(self, alert: AlertState, old: str) -> None:
         self.reporter.event(f"alert {alert.alertname} {{{alert.ident()}}}: {old} -> {alert.state}")
@@ -602,7 +630,7 @@ class Demo:
             self.reporter = reporter
         r = self.result
         self.observer.start()
-        self.traffic = Traffic(self.info, self.sc.rate)
+        self.traffic = Traffic(self.info, self.sc.rate, self.sc.mix)
         try:
             clear_faults(self.info)
             simulate_gpu(self.info, {"fb_used_ratio": None})
@@ -612,6 +640,7 @@ class Demo:
             )
             if not self._sleep(r.steady_s):
                 return self._finish()
+            r.faults_started_at = time.time()
             self._set_phase(PHASE_FAULTS, "injecting one fault per alert tier")
             for i, f in enumerate(self.faults):
                 if i and not self._sleep(self.sc.stagger_s):

@@ -86,10 +86,11 @@ def register(sub: argparse._SubParsersAction) -> None:
         type=float,
         default=None,
         metavar="S",
-        help="seconds of fault-free traffic before the first fault (default: the error rule's windows)",
+        help="seconds of fault-free traffic before the first fault (default: long enough for every "
+        "rule to have fired from a cold start: the longest rule time + evaluation + group wait)",
     )
     demo.add_argument(
-        "--rate", type=float, default=24.0, metavar="RPS", help="steady request rate (default: %(default)s)"
+        "--rate", type=float, default=20.0, metavar="RPS", help="steady request rate (default: %(default)s)"
     )
     demo.add_argument(
         "--keep-running",

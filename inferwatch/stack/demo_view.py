@@ -180,8 +180,9 @@ def print_results(result) -> None:  # result: inferwatch.demo.DemoResult
         table.add_row(*row)
     console.print(table)
     console.print(
-        "theoretical min = the rule's condition time (windows or 'for') + one evaluation interval "
-        "+ the route's group_wait, all from the spec",
+        "theoretical min = the rule's condition time (N-1 whole error windows, or the rule's 'for') "
+        "+ one evaluation interval + the route's group_wait, all from the spec; a delay can undercut "
+        "it by up to one evaluation interval when an evaluation happens to follow the fault at once",
         highlight=False,
     )
     if result.steady_pages:

@@ -10,6 +10,8 @@ from rich.console import Console
 from rich.table import Table
 
 console = Console()
+if not console.is_terminal:  # CI logs: no wrapping of paths and URLs
+    console = Console(width=200)
 
 
 @contextmanager
@@ -34,9 +36,9 @@ def print_summary(stack) -> None:  # stack: inferwatch.stack.core.Stack
     info = stack.info
     table = Table(title="inferwatch local stack: ready", title_justify="left")
     table.add_column("component")
-    table.add_column("address")
+    table.add_column("address", no_wrap=True)
     table.add_column("pid", justify="right")
-    table.add_column("log")
+    table.add_column("log", no_wrap=True)
     for name, url, pid, log_path in stack.components_table():
         table.add_row(name, url, str(pid), str(log_path))
     console.print(table)

@@ -1,0 +1,200 @@
+"""``inferwatch up`` before anything starts: the generated configs (checked by the real
+promtool, amtool and Prometheus) and the one-line refusals (missing binary, taken port,
+bad spec, bad flag, a stack already running)."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import stat
+import subprocess
+from pathlib import Path
+
+import httpx
+import pytest
+import yaml
+
+from inferwatch import contract
+from inferwatch.spec import load_spec
+from inferwatch.stack.core import STACK_FILE, Stack, StackConfig, free_ports, parse_port_overrides
+from tests.fixtures.net import ROOT, VENV_BIN, inferwatch_cmd, wait_http
+
+DEMO_SPEC = ROOT / "fleet.demo.yaml"
+
+
+def prepared(tmp_path: Path, spec: Path = DEMO_SPEC) -> Stack:
+    stack = Stack(StackConfig(spec_path=spec, state_dir=tmp_path / "state", ports=free_ports()))
+    stack.spec = load_spec(spec)
+    stack.prepare()
+    return stack
+
+
+def test_generated_configs_pass_promtool_and_amtool(tmp_path: Path) -> None:
+    stack = prepared(tmp_path)
+    state, ports = stack.config.state_dir, stack.config.ports
+    prom_file = state / "prometheus" / "prometheus.yml"
+    am_file = state / "generated" / "alertmanager.yml"
+    check = subprocess.run(["promtool", "check", "config", str(prom_file)], capture_output=True, text=True)
+    assert check.returncode == 0, check.stdout + check.stderr
+    check = subprocess.run(["amtool", "check-config", str(am_file)], capture_output=True, text=True)
+    assert check.returncode == 0, check.stdout + check.stderr
+
+    prom = yaml.safe_load(prom_file.read_text())
+    assert prom["global"]["scrape_interval"] == "2s"
+    assert prom["global"]["evaluation_interval"] == "2s"
+    jobs = {j["job_name"]: j["static_configs"][0]["targets"] for j in prom["scrape_configs"]}
+    assert jobs == {
+        contract.JOB_SIDECAR: [f"127.0.0.1:{ports['sidecar_metrics']}"],
+        contract.JOB_TRITON: [f"127.0.0.1:{ports['triton_metrics']}"],
+        contract.JOB_GPU_EXPORTER: [f"127.0.0.1:{ports['gpu_exporter']}"],
+    }
+    assert prom["alerting"]["alertmanagers"][0]["static_configs"][0]["targets"] == [
+        f"127.0.0.1:{ports['alertmanager']}"
+    ]
+
+    # Every receiver delivers to this stack's pager, with the token the pager is started with.
+    token_file = state / "pager.token"
+    assert stat.S_IMODE(token_file.stat().st_mode) == 0o600
+    am = yaml.safe_load(am_file.read_text())
+    hooks = [h for r in am["receivers"] for h in r["webhook_configs"]]
+    assert len(hooks) == len(am["receivers"]) == 3
+    for hook in hooks:
+        assert hook["url"] == f"http://127.0.0.1:{ports['pager']}/webhook"
+        assert hook["http_config"]["authorization"]["credentials_file"] == str(token_file)
+        assert hook["send_resolved"] is True
+    # Routing keeps the spec's waits (the demo's are seconds).
+    waits = {r["receiver"]: r["group_wait"] for r in am["route"]["routes"]}
+    assert waits == {"pager": "2s", "ticket": "3s", "low-urgency": "5s"}
+
+
+def test_prometheus_loads_the_rules_of_the_spec_in_use(tmp_path: Path, processes) -> None:
+    """The rules Prometheus evaluates carry the demo spec's scaled windows."""
+    stack = prepared(tmp_path)
+    port = stack.config.ports["prometheus"]
+    state = stack.config.state_dir
+    proc = processes.start(
+        "prometheus",
+        [
+            "prometheus",
+            f"--config.file={state / 'prometheus' / 'prometheus.yml'}",
+            f"--storage.tsdb.path={state / 'prometheus' / 'data'}",
+            f"--web.listen-address=127.0.0.1:{port}",
+            "--enable-feature=exemplar-storage",
+        ],
+    )
+    wait_http(f"http://127.0.0.1:{port}/-/ready", timeout=60, proc=proc)
+    groups = httpx.get(f"http://127.0.0.1:{port}/api/v1/rules", timeout=5).json()["data"]["groups"]
+    alerts = {r["name"]: r for g in groups for r in g["rules"] if r["type"] == "alerting"}
+    assert set(contract.TIERED_ALERTS) <= set(alerts)
+    assert alerts[contract.ALERT_HIGH_P99_LATENCY]["duration"] == 20
+    assert alerts[contract.ALERT_GPU_MEMORY_PRESSURE]["duration"] == 15
+    assert "[29s999ms:10s]" in alerts[contract.ALERT_HIGH_ERROR_RATE]["query"]
+    for name, severity in contract.TIERED_ALERTS.items():
+        assert alerts[name]["labels"]["severity"] == severity
+        assert alerts[name]["annotations"]["runbook_url"]
+    assert all(g["interval"] == 2 for g in groups)
+
+
+def test_port_overrides_parse_and_refuse_bad_items() -> None:
+    assert parse_port_overrides(["prometheus=19090", "sidecar-http=18010"]) == {
+        "prometheus": 19090,
+        "sidecar_http": 18010,
+    }
+    with pytest.raises(ValueError, match="NAME=PORT"):
+        parse_port_overrides(["grafana=3000"])
+    with pytest.raises(ValueError, match="not a TCP port"):
+        parse_port_overrides(["prometheus=99999"])
+
+
+# ---------------------------------------------------------------------------------------
+# The command line: refusals are one line, non-zero, and start nothing.
+# ---------------------------------------------------------------------------------------
+def up(tmp_path: Path, *args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        inferwatch_cmd("up", "--state-dir", str(tmp_path / "state"), *args),
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env={**os.environ, **(env or {})},
+        cwd=ROOT,
+    )
+
+
+def assert_nothing_started(tmp_path: Path) -> None:
+    state = tmp_path / "state"
+    assert not (state / "logs").exists(), "a component was started"
+    assert not (state / STACK_FILE).exists()
+
+
+def one_line_error(proc: subprocess.CompletedProcess[str]) -> str:
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1, proc.stderr
+    assert lines[0].startswith("inferwatch: error: "), lines[0]
+    return lines[0]
+
+
+def test_a_missing_binary_is_one_line_before_anything_starts(tmp_path: Path) -> None:
+    # Only the venv on PATH: no prometheus, no prometheus-alertmanager.
+    proc = up(tmp_path, "--free-ports", env={"PATH": str(VENV_BIN)})
+    assert proc.returncode == 1
+    line = one_line_error(proc)
+    assert "prometheus, prometheus-alertmanager not found on PATH" in line
+    assert "scripts/bootstrap" in line
+    assert_nothing_started(tmp_path)
+
+
+def test_a_taken_port_is_one_line_naming_it(tmp_path: Path) -> None:
+    with socket.socket() as squatter:
+        squatter.bind(("127.0.0.1", 0))
+        squatter.listen()
+        port = squatter.getsockname()[1]
+        proc = up(tmp_path, "--free-ports", "--port", f"alertmanager={port}")
+    assert proc.returncode == 1
+    line = one_line_error(proc)
+    assert f"port {port} (alertmanager) is already in use" in line
+    assert "--port alertmanager=PORT" in line
+    assert_nothing_started(tmp_path)
+
+
+def test_a_bad_spec_is_one_line(tmp_path: Path) -> None:
+    bad = tmp_path / "fleet.yaml"
+    bad.write_text("alerts:\n  error_rate:\n    threshold: 5\n")
+    proc = up(tmp_path, "--free-ports", "--spec", str(bad))
+    assert proc.returncode == 1
+    assert "alerts.error_rate.threshold" in one_line_error(proc)
+    assert_nothing_started(tmp_path)
+
+
+def test_a_bad_port_flag_is_a_usage_error(tmp_path: Path) -> None:
+    proc = up(tmp_path, "--port", "prometheus=http")
+    assert proc.returncode == 2
+    assert "is not a TCP port" in one_line_error(proc)
+
+
+def test_a_second_stack_in_the_same_state_dir_is_refused(tmp_path: Path) -> None:
+    state = tmp_path / "state"
+    state.mkdir()
+    # A stack.json whose supervisor (this test process) is alive.
+    info = {
+        "state_dir": str(state),
+        "spec_path": str(DEMO_SPEC),
+        "ports": free_ports(),
+        "host": "127.0.0.1",
+        "supervisor_pid": os.getpid(),
+        "gpu_backend": "simulated",
+        "started_at": 0,
+    }
+    (state / STACK_FILE).write_text(json.dumps(info))
+    proc = up(tmp_path, "--free-ports")
+    assert proc.returncode == 1
+    assert f"a stack is already running from {state} (pid {os.getpid()})" in one_line_error(proc)
+    assert not (state / "logs").exists()
+
+
+def test_free_ports_are_distinct_and_free() -> None:
+    ports = free_ports()
+    assert len(set(ports.values())) == len(ports)
+    for port in ports.values():
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", port))
