@@ -220,7 +220,7 @@ def main() -> int:
                 "--http-port",
                 str(sc_port),
                 "--grpc-port",
-                "0",
+                str(free_port()),  # as deployed: the gRPC proxy runs too (its memory counts)
                 "--metrics-port",
                 str(sc_metrics),
                 "--spec",
@@ -300,10 +300,12 @@ def main() -> int:
 def report(results: dict, args: argparse.Namespace) -> str:
     ms = lambda us: f"{us / 1000:.2f}"  # noqa: E731
     lines = [
-        f"Open loop ({args.duration:g} s per cell; latency in ms; added = proxy minus direct at the same rate):",
+        f"Open loop ({args.duration:g} s per cell; latency in ms; "
+        "added = proxy minus direct at the same rate):",
         "",
-        "| rate/s | achieved direct / sidecar / nginx | P50 direct | P50 sidecar (added) | P50 nginx (added) "
-        "| P99 direct | P99 sidecar (added) | P99 nginx (added) | sidecar CPU-s/1k req | nginx CPU-s/1k req | errors |",
+        "| rate/s | achieved direct / sidecar / nginx | P50 direct | P50 sidecar (added) "
+        "| P50 nginx (added) | P99 direct | P99 sidecar (added) | P99 nginx (added) "
+        "| sidecar CPU-s/1k req | nginx CPU-s/1k req | errors |",
         "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     for rate, cell in results["rates"].items():
@@ -314,7 +316,8 @@ def report(results: dict, args: argparse.Namespace) -> str:
             f"| {ms(n['p50_us'])} ({ms(n['p50_us'] - d['p50_us'])}) "
             f"| {ms(d['p99_us'])} | {ms(s['p99_us'])} ({ms(s['p99_us'] - d['p99_us'])}) "
             f"| {ms(n['p99_us'])} ({ms(n['p99_us'] - d['p99_us'])}) "
-            f"| {1000 * s['cpu_s'] / max(s['requests'], 1):.3f} | {1000 * n['cpu_s'] / max(n['requests'], 1):.3f} "
+            f"| {1000 * s['cpu_s'] / max(s['requests'], 1):.3f} "
+            f"| {1000 * n['cpu_s'] / max(n['requests'], 1):.3f} "
             f"| {d['errors']}/{s['errors']}/{n['errors']} |"
         )
     m = results["max"]
@@ -322,7 +325,8 @@ def report(results: dict, args: argparse.Namespace) -> str:
         "",
         f"Maximum throughput (closed loop, {MAX_CONNECTIONS} connections, {args.duration:g} s):",
         "",
-        "| target | requests/s | vs direct | P50 ms | P99 ms | proxy CPU-s/1k req | proxy RSS MB (peak) | errors |",
+        "| target | requests/s | vs direct | P50 ms | P99 ms | proxy CPU-s/1k req "
+        "| proxy RSS MB (peak) | errors |",
         "| --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     for name in ("direct", "sidecar", "nginx"):
@@ -330,7 +334,8 @@ def report(results: dict, args: argparse.Namespace) -> str:
         cpu = "-" if name == "direct" else f"{1000 * r['cpu_s'] / max(r['requests'], 1):.3f}"
         rss = "-" if name == "direct" else f"{r['rss_kib'] / 1024:.1f} ({r['hwm_kib'] / 1024:.1f})"
         lines.append(
-            f"| {name} | {r['rps']:.0f} | {r['rps'] / m['direct']['rps']:.2f} | {ms(r['p50_us'])} | {ms(r['p99_us'])} "
+            f"| {name} | {r['rps']:.0f} | {r['rps'] / m['direct']['rps']:.2f} "
+            f"| {ms(r['p50_us'])} | {ms(r['p99_us'])} "
             f"| {cpu} | {rss} | {r['errors']} |"
         )
     lines.append("")

@@ -25,6 +25,7 @@ import faulthandler
 import importlib.util
 import json
 import logging
+import os
 import signal
 import sys
 import threading
@@ -37,6 +38,8 @@ from sidecar import config as cfg
 
 log = logging.getLogger("inferwatch.sidecar")
 
+# Set to 0 to keep `inferwatch sidecar` in the CLI's process instead of re-executing lean.
+LEAN_ENV = "INFERWATCH_SIDECAR_LEAN"
 # Wait at least this long between two index reads triggered by unknown model names.
 MISS_REFRESH_MIN_INTERVAL = 5.0
 # While the upstream is down, probe it this often.
@@ -87,10 +90,24 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 
 def _command(args: argparse.Namespace) -> int:
+    config = _config(args)
+    if sys.argv[1:2] == ["sidecar"] and os.environ.get(LEAN_ENV) != "0":
+        # The full CLI imported every component's parser (FastAPI, numpy, httpx: ~30 MB
+        # resident the proxy never uses); become `python -m sidecar` with the same pid,
+        # arguments and environment. The configuration was checked above.
+        os.execv(sys.executable, [sys.executable, "-m", "sidecar", *sys.argv[2:]])
+    return serve_config(config)
+
+
+def _config(args: argparse.Namespace) -> cfg.SidecarConfig:
     try:
-        config = cfg.from_args(args)
+        return cfg.from_args(args)
     except cfg.ConfigError as exc:
         raise CliError(str(exc), code=2) from None
+
+
+def serve_config(config: cfg.SidecarConfig) -> int:
+    """Run the sidecar until SIGTERM/SIGINT; the process exit code."""
     setup_logging(config.log_level)
     faulthandler.register(signal.SIGUSR1)  # `kill -USR1 PID` prints every thread's stack to stderr
     try:
@@ -114,7 +131,6 @@ def build_tracer(config: cfg.SidecarConfig) -> tuple[Any, Any]:
     """
     if config.trace_sample_ratio <= 0:
         return None, None
-    import os
 
     from opentelemetry.sdk.resources import SERVICE_NAME, Resource
     from opentelemetry.sdk.trace import TracerProvider

@@ -1,0 +1,31 @@
+"""``python -m sidecar``: the sidecar alone, without importing the rest of the inferwatch CLI
+(``inferwatch sidecar`` re-executes itself as this, so the proxy stays lean in memory)."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from inferwatch.cli import CliError
+from sidecar import config as cfg
+from sidecar.main import _config, serve_config
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="inferwatch sidecar",
+        description="The request-metrics proxy; see 'inferwatch sidecar --help'.",
+    )
+    cfg.add_arguments(parser)
+    args = parser.parse_args(argv)
+    try:
+        return serve_config(_config(args))
+    except CliError as exc:
+        print(f"inferwatch: error: {exc}", file=sys.stderr)
+        return exc.code
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())
