@@ -7,4 +7,5 @@ pytest_plugins = [
     "tests.fixtures.sidecar",
     "tests.fixtures.deploy",
     "tests.fixtures.alerting",
+    "tests.fixtures.stack",
 ]

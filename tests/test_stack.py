@@ -16,7 +16,7 @@ import pytest
 import yaml
 
 from inferwatch import contract
-from inferwatch.spec import load_spec
+from inferwatch.spec import duration_seconds, load_spec
 from inferwatch.stack.core import STACK_FILE, Stack, StackConfig, free_ports, parse_port_overrides
 from tests.fixtures.net import ROOT, VENV_BIN, inferwatch_cmd, wait_http
 
@@ -87,9 +87,15 @@ def test_prometheus_loads_the_rules_of_the_spec_in_use(tmp_path: Path, processes
     groups = httpx.get(f"http://127.0.0.1:{port}/api/v1/rules", timeout=5).json()["data"]["groups"]
     alerts = {r["name"]: r for g in groups for r in g["rules"] if r["type"] == "alerting"}
     assert set(contract.TIERED_ALERTS) <= set(alerts)
-    assert alerts[contract.ALERT_HIGH_P99_LATENCY]["duration"] == 20
-    assert alerts[contract.ALERT_GPU_MEMORY_PRESSURE]["duration"] == 15
-    assert "[29s999ms:10s]" in alerts[contract.ALERT_HIGH_ERROR_RATE]["query"]
+    spec = load_spec(DEMO_SPEC)
+    lat_for = duration_seconds(spec.alerts.latency.for_)
+    gpu_for = duration_seconds(spec.alerts.gpu_memory.for_)
+    assert alerts[contract.ALERT_HIGH_P99_LATENCY]["duration"] == lat_for < 60
+    assert alerts[contract.ALERT_GPU_MEMORY_PRESSURE]["duration"] == gpu_for < 60
+    # Tumbling error windows and the latency quantile's window, both the spec's (seconds here).
+    assert f":{spec.alerts.error_rate.window}]" in alerts[contract.ALERT_HIGH_ERROR_RATE]["query"]
+    recorded = {r["name"]: r["query"] for g in groups for r in g["rules"] if r["type"] == "recording"}
+    assert f"[{spec.alerts.latency.window}]" in recorded[contract.REC_LATENCY_QUANTILE]
     for name, severity in contract.TIERED_ALERTS.items():
         assert alerts[name]["labels"]["severity"] == severity
         assert alerts[name]["annotations"]["runbook_url"]
