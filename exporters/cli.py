@@ -79,6 +79,13 @@ def register(sub: argparse._SubParsersAction) -> None:
         "namespace and container names; '' to give only pod UIDs and container ids (default: %(default)s)",
     )
     p.add_argument(
+        "--kubelet-pod-resources",
+        default="/var/lib/kubelet/pod-resources/kubelet.sock",
+        help="the kubelet's pod-resources socket: a GPU allocated to exactly one container gets its "
+        "pod, namespace and container labels on the dcgm series, as with dcgm-exporter; used only "
+        "when the socket exists; '' to skip (default: %(default)s)",
+    )
+    p.add_argument(
         "--process-interval",
         type=float,
         default=10.0,

@@ -26,6 +26,7 @@ from exporters.cgroups import ProcessAttributor
 from exporters.convert import GpuRow, gpu_families, gpu_labels, health_families
 from exporters.fields import Field
 from exporters.model import Backend, DeviceInfo, GpuProcess, RawGpu
+from exporters.podresources import PodResourcesWatcher
 from exporters.state import NO_GPU, ErrorCounter, XidLog
 from inferwatch import contract as c
 
@@ -37,6 +38,7 @@ CALL_READ = "read"  # the backend's read raised outside any single call
 CALL_TIMEOUT = "timeout"  # a GPU's reads did not finish by the scrape deadline
 CALL_STALLED = "stalled"  # a GPU's previous reads are still hung; not read again until they return
 CALL_INIT = "nvmlInit"
+CALL_POD_RESOURCES = "podresources.List"  # the kubelet's pod-resources API
 
 
 class Guard:
@@ -95,6 +97,7 @@ class GpuSource:
         proc_root: Path = Path("/proc"),
         log_root: Path | None = None,
         process_interval_s: float = 10.0,
+        pod_resources_socket: str = "",
         errors: ErrorCounter | None = None,
         xids: XidLog | None = None,
     ) -> None:
@@ -113,6 +116,12 @@ class GpuSource:
         self.processes = ProcessAttributor(
             self._list_processes, self._gpu_indexes, proc_root, log_root, process_interval_s
         )
+        # dcgm series labels per GPU: the GPU's labels, plus its container's when the kubelet
+        # allocated it to exactly one (replaced whole by the pod-resources thread)
+        self.dcgm_labels: tuple[dict[str, str], ...] = ()
+        self._pod_socket = pod_resources_socket
+        self._pod_interval = process_interval_s
+        self._pods: PodResourcesWatcher | None = None
 
     # -- start and stop -------------------------------------------------------------------
     def start(self) -> None:
@@ -138,6 +147,7 @@ class GpuSource:
         guards = tuple(Guard(d.index, self.errors, backend.not_supported) for d in devices)
         labels = tuple(gpu_labels(d, self.hostname) for d in devices)
         self.label = backend.name
+        self.dcgm_labels = labels
         self.ready = Ready(backend, tuple(devices), guards, labels)
         self.last_error = ""
         extra = {"backend": backend.name, "gpus": len(devices), "models": sorted({d.name for d in devices})}
@@ -149,6 +159,28 @@ class GpuSource:
         if watch is not None:
             self._spawn(lambda: self._watch_xids(watch), "gpu-xid-events")
         self.processes.start()
+        if PodResourcesWatcher.available(self._pod_socket):
+            self._pods = PodResourcesWatcher(
+                self._pod_socket,
+                self._pod_interval,
+                self._set_pod_owners,
+                lambda exc: self.errors.add(CALL_POD_RESOURCES, NO_GPU, exc),
+            )
+            self._pods.start()
+
+    def _set_pod_owners(self, owners: dict[str, tuple[str, str, str]]) -> None:
+        ready = self.ready
+        if ready is None:
+            return
+        labeled = []
+        for dev, labels in zip(ready.devices, ready.labels, strict=True):
+            owner = owners.get(dev.uuid)
+            if owner is None:
+                labeled.append(labels)
+            else:
+                namespace, pod, container = owner
+                labeled.append({**labels, c.L_POD: pod, c.L_NAMESPACE: namespace, c.L_CONTAINER: container})
+        self.dcgm_labels = tuple(labeled)
 
     def _watch_xids(self, watch: Callable[..., None]) -> None:
         try:
@@ -181,6 +213,8 @@ class GpuSource:
     def stop(self) -> None:
         self._stop.set()
         self.processes.stop()
+        if self._pods is not None:
+            self._pods.stop()
         for t in self._threads:
             t.join(timeout=5)
         if self.ready is not None:
@@ -242,8 +276,11 @@ class GpuCollector(Collector):
             else:  # another scrape holds the GPUs past its own deadline
                 source.errors.add("concurrent_scrape", NO_GPU)
                 raws = [None] * len(ready.devices)
+            dcgm_labels = source.dcgm_labels
+            if len(dcgm_labels) != len(ready.devices):
+                dcgm_labels = ready.labels
             rows = [
-                GpuRow(d.index, ready.labels[d.index], raw)
+                GpuRow(d.index, ready.labels[d.index], raw, dcgm_labels[d.index])
                 for d, raw in zip(ready.devices, raws, strict=True)
             ]
             xid_counts, last_xid = source.xids.snapshot()

@@ -78,6 +78,9 @@ class GpuRow:
     index: int
     labels: dict[str, str]
     raw: RawGpu | None
+    # labels of the dcgm series: ``labels`` plus pod/namespace/container when the kubelet
+    # allocated this GPU to exactly one container (None: same as ``labels``)
+    dcgm_labels: dict[str, str] | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -119,7 +122,7 @@ def gpu_families(
         for row, vals in values:
             val = vals.get(name)
             if val is not None:
-                fam.add_sample(name, row.labels, val)
+                fam.add_sample(name, row.dcgm_labels or row.labels, val)
         if fam.samples:
             out.append(fam)
 

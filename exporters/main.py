@@ -51,6 +51,7 @@ def build_source(args: argparse.Namespace) -> GpuSource:
         proc_root=Path(args.proc_root),
         log_root=Path(args.kubelet_log_dir) if args.kubelet_log_dir else None,
         process_interval_s=args.process_interval,
+        pod_resources_socket=args.kubelet_pod_resources,
     )
 
 
