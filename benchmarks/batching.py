@@ -20,13 +20,14 @@ from __future__ import annotations
 
 import argparse
 import os
-import platform
 import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
+
+import numpy as np
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -34,7 +35,7 @@ sys.path.insert(0, str(ROOT))
 from inferwatch import contract  # noqa: E402
 from reference_server import triton_metrics  # noqa: E402
 from reference_server.launcher import TritonServer  # noqa: E402
-from reference_server.loadgen import LoadConfig, Target, run_load  # noqa: E402
+from reference_server.loadgen import LoadConfig, LoadGenerator, Target, run_load  # noqa: E402
 
 SECTION = "## Dynamic batching (reference server)"
 COMMAND = ".venv/bin/python benchmarks/batching.py --write"
@@ -65,27 +66,68 @@ class Row:
     avg_batch: float | None  # from Triton's counters; None for the naive server
 
 
-def measure(
-    url: str, model: str, concurrency: int, duration: float, warmup: float, metrics_url: str | None
-) -> tuple[float, float, float, int, float | None]:
-    def config(d: float) -> LoadConfig:
-        return LoadConfig(
-            url=url, protocol="http", concurrency=concurrency, duration=d, targets=[Target(model)]
+@dataclass
+class Cell:
+    path: str
+    server: str
+    url: str
+    model: str
+    concurrency: int
+    metrics_url: str | None
+    ok: int = 0
+    errors: int = 0
+    seconds: float = 0.0
+    latencies: list[float] = field(default_factory=list)
+    inferences: float = 0.0
+    executions: float = 0.0
+
+    def row(self) -> Row:
+        p50, p99 = (float(v) * 1e3 for v in np.percentile(self.latencies or [0.0], [50, 99]))
+        return Row(
+            self.path,
+            self.server,
+            self.model,
+            self.concurrency,
+            self.ok / self.seconds if self.seconds else 0.0,
+            p50,
+            p99,
+            self.errors,
+            self.inferences / self.executions if self.executions else None,
         )
 
-    run_load(config(warmup))
-    before = triton_metrics.scrape(metrics_url) if metrics_url else None
-    s = run_load(config(duration))
-    avg_batch = None
-    if metrics_url and before is not None:
-        after = triton_metrics.scrape(metrics_url)
-        count = triton_metrics.delta(before, after, contract.TRITON_INFERENCE_COUNT.name, model)
-        execs = triton_metrics.delta(before, after, contract.TRITON_EXEC_COUNT.name, model)
-        avg_batch = count / execs if execs else None
-    return s.ok_rate, s.latency_s["p50"] * 1e3, s.latency_s["p99"] * 1e3, sum(s.errors.values()), avg_batch
+
+def measure(cell: Cell, seconds: float, warmup: float) -> None:
+    """One slice of closed-loop load on ``cell``, added to its totals."""
+
+    def config(d: float) -> LoadConfig:
+        return LoadConfig(
+            url=cell.url,
+            protocol="http",
+            concurrency=cell.concurrency,
+            duration=d,
+            targets=[Target(cell.model)],
+        )
+
+    if warmup > 0:
+        run_load(config(warmup))
+    before = triton_metrics.scrape(cell.metrics_url) if cell.metrics_url else None
+    gen = LoadGenerator(config(seconds))
+    s = gen.run()
+    if cell.metrics_url and before is not None:
+        after = triton_metrics.scrape(cell.metrics_url)
+        cell.inferences += triton_metrics.delta(
+            before, after, contract.TRITON_INFERENCE_COUNT.name, cell.model
+        )
+        cell.executions += triton_metrics.delta(before, after, contract.TRITON_EXEC_COUNT.name, cell.model)
+    cell.ok += s.ok
+    cell.errors += sum(s.errors.values())
+    cell.seconds += s.elapsed_s
+    cell.latencies += gen.stats.latencies
 
 
-def run(duration: float, warmup: float, concurrencies: list[int], paths: list[str]) -> tuple[list[Row], dict]:
+def run(
+    duration: float, warmup: float, concurrencies: list[int], paths: list[str], rounds: int
+) -> tuple[list[Row], dict]:
     state = Path(tempfile.mkdtemp(prefix="inferwatch-bench-"))
     naive_port = free_port()
     naive_log = open(state / "naive.log", "wb")
@@ -95,9 +137,9 @@ def run(duration: float, warmup: float, concurrencies: list[int], paths: list[st
         stdout=naive_log,
         stderr=subprocess.STDOUT,
     )
-    rows: list[Row] = []
     load_before = os.getloadavg()
     started = time.time()
+    cells: list[Cell] = []
     try:
         with TritonServer(
             http_port=free_port(), grpc_port=free_port(), metrics_port=free_port(), state_dir_path=state
@@ -106,21 +148,29 @@ def run(duration: float, warmup: float, concurrencies: list[int], paths: list[st
             _wait_naive(naive_url, naive)
             for path in paths:
                 batched, unbatched = PATHS[path]
-                for server, url, model, metrics in (
-                    ("triton, dynamic batching", triton.http_url, batched, triton.metrics_url),
-                    ("triton, no batching", triton.http_url, unbatched, triton.metrics_url),
-                    ("naive FastAPI", naive_url, unbatched, None),
-                ):
-                    for c in concurrencies:
-                        tput, p50, p99, errors, batch = measure(url, model, c, duration, warmup, metrics)
-                        row = Row(path, server, model, c, tput, p50, p99, errors, batch)
-                        rows.append(row)
+                for c in concurrencies:
+                    group = [
+                        Cell(
+                            path, "triton, dynamic batching", triton.http_url, batched, c, triton.metrics_url
+                        ),
+                        Cell(path, "triton, no batching", triton.http_url, unbatched, c, triton.metrics_url),
+                        Cell(path, "naive FastAPI", naive_url, unbatched, c, None),
+                    ]
+                    # The cells compared with each other take turns, slice by slice, so that the
+                    # shared machine's load drifting over minutes hits all of them alike.
+                    for r in range(rounds):
+                        for cell in group if r % 2 == 0 else reversed(group):
+                            measure(cell, duration / rounds, warmup if r == 0 else 0.0)
+                    for cell in group:
+                        row = cell.row()
                         print(
-                            f"{path:15} {server:25} c={c:<3} {tput:7.1f} req/s  p50 {p50:7.1f} ms  "
-                            f"p99 {p99:7.1f} ms  batch {batch or 0:4.1f}  errors {errors}",
+                            f"{path:15} {cell.server:25} c={c:<3} {row.throughput:7.1f} req/s  "
+                            f"p50 {row.p50_ms:7.1f} ms  p99 {row.p99_ms:7.1f} ms  "
+                            f"batch {row.avg_batch or 0:4.1f}  errors {row.errors}",
                             file=sys.stderr,
                             flush=True,
                         )
+                    cells += group
     finally:
         naive.terminate()
         naive.wait(30)
@@ -129,11 +179,11 @@ def run(duration: float, warmup: float, concurrencies: list[int], paths: list[st
         "loadavg_before": load_before,
         "loadavg_after": os.getloadavg(),
         "cpus": os.cpu_count(),
-        "machine": platform.processor() or platform.machine(),
         "when": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime(started)),
         "duration": duration,
+        "rounds": rounds,
     }
-    return rows, env
+    return [c.row() for c in cells], env
 
 
 def _wait_naive(url: str, proc: subprocess.Popen, timeout: float = 120) -> None:
@@ -158,7 +208,8 @@ def markdown(rows: list[Row], env: dict, concurrencies: list[int]) -> str:
         SECTION,
         "",
         f"Command: `{COMMAND}` (closed loop over HTTP with `reference_server.loadgen`, "
-        f"{env['duration']:g} s per cell after a warm-up; all servers on one machine with the client).",
+        f"{env['duration']:g} s per cell after a warm-up, in {env['rounds']} slices taking turns with the "
+        "cells it is compared with; all servers on one machine with the client).",
         f"Run {env['when']} on {env['cpus']} shared cores; load average "
         f"{env['loadavg_before'][0]:.1f} before, {env['loadavg_after'][0]:.1f} after "
         "(other engineers' test suites ran at the same time, so "
@@ -216,10 +267,16 @@ def main() -> int:
         "--warmup", type=float, default=2.0, help="seconds of warm-up per cell (default: %(default)s)"
     )
     p.add_argument("--concurrency", type=int, nargs="+", default=[1, 8, 32])
+    p.add_argument(
+        "--rounds",
+        type=int,
+        default=4,
+        help="slices each cell's time is cut into, in turns (default: %(default)s)",
+    )
     p.add_argument("--paths", nargs="+", choices=sorted(PATHS), default=list(PATHS))
     p.add_argument("--write", action="store_true", help="update benchmarks/RESULTS.md")
     args = p.parse_args()
-    rows, env = run(args.duration, args.warmup, args.concurrency, args.paths)
+    rows, env = run(args.duration, args.warmup, args.concurrency, args.paths, args.rounds)
     text = markdown(rows, env, args.concurrency)
     print(text)
     if args.write:
