@@ -505,3 +505,17 @@ def test_hpa_scales_the_deployment_on_contract_metrics(overlay_builds: dict[str,
     assert target["metadata"]["namespace"] == hpa["metadata"]["namespace"]
     names = {m[m["type"].lower()]["metric"]["name"] for m in hpa["spec"]["metrics"]}
     assert names == {contract.REQUESTS_IN_FLIGHT.name, contract.DCGM_GPU_UTIL.name}
+
+
+def test_kube_prometheus_stack_values_match_what_the_manifests_carry(
+    overlay_builds: dict[str, list[dict]],
+) -> None:
+    values = yaml.safe_load((K8S / "kube-prometheus-stack-values.yaml").read_text())
+    assert "exemplar-storage" in values["prometheus"]["prometheusSpec"]["enableFeatures"]
+    strategy = values["alertmanager"]["alertmanagerSpec"]["alertmanagerConfigMatcherStrategy"]["type"]
+    assert strategy in ("None", "OnNamespaceExceptForAlertmanagerNamespace")
+    sidecar = values["grafana"]["sidecar"]["dashboards"]
+    for cm in of_kind(overlay_builds["example"], "ConfigMap"):
+        if sidecar["label"] in cm["metadata"].get("labels", {}):
+            assert cm["metadata"]["labels"][sidecar["label"]] == sidecar["labelValue"]
+            assert sidecar["folderAnnotation"] in cm["metadata"]["annotations"]
