@@ -24,6 +24,7 @@ import matplotlib
 matplotlib.use("Agg")  # no display here; must precede pyplot
 import matplotlib.dates as mdates
 import matplotlib.pyplot as plt
+from matplotlib.colors import PowerNorm
 from matplotlib.ticker import FuncFormatter
 
 from dashboards import build, live, urls
@@ -301,7 +302,13 @@ def _draw_heatmap(fig: Any, panel: dict[str, Any], series: list[Series]) -> None
     step = (times[-1] - times[0]) / (n - 1) if n > 1 else 60.0
     edges = [times[0] - step / 2 + i * step for i in range(n + 1)]
     x = mdates.date2num([datetime.fromtimestamp(e, UTC) for e in edges])
-    mesh = ax.pcolormesh(x, np.arange(len(labels) + 1) - 0.5, counts, cmap="Oranges", shading="flat")
+    color = panel.get("options", {}).get("color", {})
+    norm = None
+    if color.get("scale") == "exponential":  # as the panel says: faint bands stay visible
+        norm = PowerNorm(gamma=float(color.get("exponent", 0.5)), vmin=0)
+    cmap = color.get("scheme", "Oranges")
+    y = np.arange(len(labels) + 1) - 0.5
+    mesh = ax.pcolormesh(x, y, counts, cmap=cmap, norm=norm, shading="flat")
     ax.set_yticks(range(len(labels)))
     ax.set_yticklabels(labels, fontsize=7)
     ax.xaxis_date()
