@@ -15,7 +15,7 @@ import pytest
 from alert_rules.am_client import AlertmanagerClient, AlertmanagerError, Matcher
 from alert_rules.generate import build
 from inferwatch.spec import load_spec
-from tests.fixtures.alerting import start_alertmanager
+from tests.fixtures.alerting import start_alertmanager, wait_for
 from tests.fixtures.net import Processes, free_port, inferwatch_cmd
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -40,6 +40,9 @@ def am(tmp_path: Path, processes: Processes) -> Iterator[str]:
         )
     ]
     httpx.post(f"{url}/api/v2/alerts", json=alerts, timeout=10).raise_for_status()
+    # The inhibitor ingests alerts asynchronously: start each test once it has.
+    with AlertmanagerClient(url) as client:
+        wait_for("the inhibition to apply", lambda: any(a.inhibited_by for a in client.alerts()), timeout=20)
     yield url
 
 
@@ -57,7 +60,8 @@ def test_client_lists_alerts_with_their_state(am: str) -> None:
             ("InferenceHighP99Latency", "ranker"),
         ]
         # ranker's warning is inhibited by ranker's critical; dense_batched's is not.
-        by_model = {a.labels["model"]: a for a in alerts if a.name == "InferenceHighP99Latency"}
+        alerts = client.alerts([Matcher("alertname", "InferenceHighP99Latency")])
+        by_model = {a.labels["model"]: a for a in alerts}
         assert by_model["ranker"].state == "suppressed" and by_model["ranker"].inhibited_by
         assert by_model["dense_batched"].state == "active" and by_model["dense_batched"].receivers == [
             "ticket"
