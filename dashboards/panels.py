@@ -17,7 +17,7 @@ from grafanalib import core as g
 from dashboards import urls
 from inferwatch import contract as c
 
-# Grafana 10 understands this schema; older schema versions trigger migrations that
+# Grafana 10 to 12 understand this schema; older schema versions trigger migrations that
 # rewrite panels on load.
 SCHEMA_VERSION = 39
 DS_VAR = "datasource"
@@ -281,6 +281,7 @@ def heatmap(title: str, description: str, expr: str, unit: str, w: int = 12, h: 
         description=description,
         dataSource=DATASOURCE,
         targets=[target(expr, "{{le}}", fmt="heatmap")],
+        thresholds=steps(OK),
         dataFormat="tsbuckets",
         maxDataPoints=60,
         extraJson={
@@ -316,6 +317,7 @@ def table(
         description=description,
         dataSource=DATASOURCE,
         targets=[target(expr, instant=True, fmt=g.TABLE_TARGET_FORMAT)],
+        thresholds=steps(OK),
         unit=unit,
         extraJson={
             "options": {"cellHeight": "sm", "footer": {"show": False}},
