@@ -21,10 +21,12 @@ import sys
 import time
 from pathlib import Path
 
+from inferwatch.contract import GPU_SCRAPE_DURATION
+
 ROOT = Path(__file__).resolve().parents[1]
 CLK_TCK = os.sysconf("SC_CLK_TCK")
 # The exporter's own measure of reading and converting every GPU (before rendering).
-COLLECT = re.compile(rb"^inferwatch_gpu_scrape_duration_seconds (\S+)$", re.M)
+COLLECT = re.compile(rb"^" + re.escape(GPU_SCRAPE_DURATION.name.encode()) + rb" (\S+)$", re.M)
 
 
 def free_port() -> int:
