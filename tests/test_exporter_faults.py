@@ -8,6 +8,8 @@ exporter's own code.
 from __future__ import annotations
 
 import itertools
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Callable
@@ -194,3 +196,28 @@ def test_describe_and_register_never_touch_the_backend() -> None:
     fams = {m.name: m for m in registry.collect()}
     assert [s.value for s in fams[c.GPU_BACKEND_UP.name].samples] == [0]
     assert c.DCGM_GPU_UTIL.name not in fams
+
+
+HUNG_EXIT = """
+import threading, sys
+from exporters.backends.simulated import SimulatedBackend
+from exporters.collector import GpuCollector, GpuSource
+from exporters.fields import load_fields
+
+class Hung(SimulatedBackend):
+    may_block = True
+    def read(self, index, guard):
+        threading.Event().wait()  # never returns, like NVML on a GPU that fell off the bus
+
+source = GpuSource([lambda: Hung(gpus=2)], label="nvml", hostname="h")
+source.start()
+families = list(GpuCollector(source, load_fields(), timeout_s=0.2).collect())
+source.stop()
+print("collected", len(families))
+"""
+
+
+def test_a_read_hung_in_the_driver_does_not_hold_the_process_at_exit() -> None:
+    proc = subprocess.run([sys.executable, "-c", HUNG_EXIT], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.startswith("collected ")
