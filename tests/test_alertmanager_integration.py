@@ -33,7 +33,9 @@ def scaled_spec(pager_port: int) -> FleetSpec:
     data = yaml.safe_load((ROOT / "fleet.yaml").read_text())
     data["alerts"] = {
         "error_rate": {"threshold": 0.05, "window": "3s", "consecutive_windows": 3},
-        "latency": {"sla_factor": 2, "quantile": 0.99, "window": "4s", "for": "10s"},
+        # Held 20s: bad's latency warning must fire well after its critical (>= 9s, three
+        # 3s windows) so that the inhibition, not a race, decides whether it pages.
+        "latency": {"sla_factor": 2, "quantile": 0.99, "window": "4s", "for": "20s"},
         "gpu_memory": {"threshold": 0.9, "for": "3s"},
     }
     data["models"] = [{"name": "good", "latency_sla_ms": 100}, {"name": "bad", "latency_sla_ms": 100}]
