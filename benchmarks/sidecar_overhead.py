@@ -14,10 +14,10 @@ comes from ``wrk`` (C, cheaper than what it measures) with a Lua script:
 - the proxy's CPU-seconds per 1,000 requests (utime + stime from /proc, every process of
   the proxy) and its resident memory (VmRSS at the end, VmHWM peak).
 
-Usage (one command; about 3 minutes at the defaults):
+Usage (one command; about 7 minutes at the defaults):
 
-    .venv/bin/python benchmarks/sidecar_overhead.py [--duration 10] [--rates 200 500 1000]
-        [--json out.json]
+    .venv/bin/python benchmarks/sidecar_overhead.py [--duration 8] [--rates 200 500 1000]
+        [--repeat 3] [--json out.json]
 
 The machine is shared and noisy: read the ratios measured side by side in one run.
 """
@@ -30,6 +30,7 @@ import os
 import shutil
 import signal
 import socket
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -161,10 +162,11 @@ def wrk(port: int, duration: float, connections: int, env: dict[str, str], lua: 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--duration", type=float, default=10.0, help="seconds per measurement (default 10)")
+    ap.add_argument("--duration", type=float, default=8.0, help="seconds per measurement (default 8)")
     ap.add_argument(
         "--rates", type=int, nargs="+", default=[200, 500, 1000], help="open-loop rates, requests/s"
     )
+    ap.add_argument("--repeat", type=int, default=3, help="interleaved repetitions; medians are reported")
     ap.add_argument("--json", type=Path, help="also write the raw figures here")
     args = ap.parse_args()
     for tool in ("wrk", "nginx"):
@@ -261,24 +263,34 @@ def main() -> int:
         for port, _ in targets.values():
             wrk(port, 3, MAX_CONNECTIONS, {**env_base, "IW_MEAN_MS": "0"}, lua)
 
-        results: dict = {"rates": {}, "max": {}}
-        for rate in args.rates:
-            conns = max(4, round(rate * MEAN_GAP_S))
-            mean_ms = conns / rate * 1000.0
+        runs: dict = {"rates": {}, "max": {}}
+        for rep in range(args.repeat):
+            for rate in args.rates:
+                conns = max(4, round(rate * MEAN_GAP_S))
+                mean_ms = conns / rate * 1000.0
+                for name, (port, pids) in targets.items():
+                    print(
+                        f"[{rep + 1}/{args.repeat}] open loop {rate}/s -> {name}", file=sys.stderr, flush=True
+                    )
+                    c0 = cpu_seconds(pids)
+                    res = wrk(port, args.duration, conns, {**env_base, "IW_MEAN_MS": f"{mean_ms:.3f}"}, lua)
+                    res["cpu_s"] = cpu_seconds(pids) - c0
+                    runs["rates"].setdefault(rate, {}).setdefault(name, []).append(res)
             for name, (port, pids) in targets.items():
-                print(f"open loop {rate}/s -> {name} ...", file=sys.stderr, flush=True)
+                print(f"[{rep + 1}/{args.repeat}] max throughput -> {name}", file=sys.stderr, flush=True)
                 c0 = cpu_seconds(pids)
-                res = wrk(port, args.duration, conns, {**env_base, "IW_MEAN_MS": f"{mean_ms:.3f}"}, lua)
+                res = wrk(port, args.duration, MAX_CONNECTIONS, {**env_base, "IW_MEAN_MS": "0"}, lua)
                 res["cpu_s"] = cpu_seconds(pids) - c0
-                results["rates"].setdefault(rate, {})[name] = res
-        for name, (port, pids) in targets.items():
-            print(f"max throughput -> {name} ...", file=sys.stderr, flush=True)
-            c0 = cpu_seconds(pids)
-            res = wrk(port, args.duration, MAX_CONNECTIONS, {**env_base, "IW_MEAN_MS": "0"}, lua)
-            res["cpu_s"] = cpu_seconds(pids) - c0
-            res["rss_kib"] = memory_kib(pids, "VmRSS")
-            res["hwm_kib"] = memory_kib(pids, "VmHWM")
-            results["max"][name] = res
+                res["rss_kib"] = memory_kib(pids, "VmRSS")
+                res["hwm_kib"] = memory_kib(pids, "VmHWM")
+                runs["max"].setdefault(name, []).append(res)
+        results = {
+            "rates": {
+                rate: {n: median(rs) for n, rs in cell.items()} for rate, cell in runs["rates"].items()
+            },
+            "max": {n: median(rs) for n, rs in runs["max"].items()},
+            "runs": runs,
+        }
     finally:
         for p in procs:
             if p.poll() is None:
@@ -297,11 +309,19 @@ def main() -> int:
     return 0
 
 
+def median(runs: list[dict]) -> dict:
+    """Per-field median over repeated runs (CPU per 1,000 requests is taken per run first)."""
+    out = {k: statistics.median(r[k] for r in runs) for k in runs[0]}
+    out["cpu_per_1k"] = statistics.median(1000 * r["cpu_s"] / max(r["requests"], 1) for r in runs)
+    out["rps_all"] = [round(r["rps"]) for r in runs]
+    return out
+
+
 def report(results: dict, args: argparse.Namespace) -> str:
     ms = lambda us: f"{us / 1000:.2f}"  # noqa: E731
     lines = [
-        f"Open loop ({args.duration:g} s per cell; latency in ms; "
-        "added = proxy minus direct at the same rate):",
+        f"Open loop (median of {args.repeat} interleaved runs of {args.duration:g} s per cell; "
+        "latency in ms; added = proxy minus direct at the same rate):",
         "",
         "| rate/s | achieved direct / sidecar / nginx | P50 direct | P50 sidecar (added) "
         "| P50 nginx (added) | P99 direct | P99 sidecar (added) | P99 nginx (added) "
@@ -316,14 +336,14 @@ def report(results: dict, args: argparse.Namespace) -> str:
             f"| {ms(n['p50_us'])} ({ms(n['p50_us'] - d['p50_us'])}) "
             f"| {ms(d['p99_us'])} | {ms(s['p99_us'])} ({ms(s['p99_us'] - d['p99_us'])}) "
             f"| {ms(n['p99_us'])} ({ms(n['p99_us'] - d['p99_us'])}) "
-            f"| {1000 * s['cpu_s'] / max(s['requests'], 1):.3f} "
-            f"| {1000 * n['cpu_s'] / max(n['requests'], 1):.3f} "
+            f"| {s['cpu_per_1k']:.3f} | {n['cpu_per_1k']:.3f} "
             f"| {d['errors']}/{s['errors']}/{n['errors']} |"
         )
     m = results["max"]
     lines += [
         "",
-        f"Maximum throughput (closed loop, {MAX_CONNECTIONS} connections, {args.duration:g} s):",
+        f"Maximum throughput (closed loop, {MAX_CONNECTIONS} connections, median of {args.repeat} runs "
+        f"of {args.duration:g} s; each run's requests/s in brackets):",
         "",
         "| target | requests/s | vs direct | P50 ms | P99 ms | proxy CPU-s/1k req "
         "| proxy RSS MB (peak) | errors |",
@@ -331,10 +351,10 @@ def report(results: dict, args: argparse.Namespace) -> str:
     ]
     for name in ("direct", "sidecar", "nginx"):
         r = m[name]
-        cpu = "-" if name == "direct" else f"{1000 * r['cpu_s'] / max(r['requests'], 1):.3f}"
+        cpu = "-" if name == "direct" else f"{r['cpu_per_1k']:.3f}"
         rss = "-" if name == "direct" else f"{r['rss_kib'] / 1024:.1f} ({r['hwm_kib'] / 1024:.1f})"
         lines.append(
-            f"| {name} | {r['rps']:.0f} | {r['rps'] / m['direct']['rps']:.2f} "
+            f"| {name} | {r['rps']:.0f} {r['rps_all']} | {r['rps'] / m['direct']['rps']:.2f} "
             f"| {ms(r['p50_us'])} | {ms(r['p99_us'])} "
             f"| {cpu} | {rss} | {r['errors']} |"
         )
