@@ -42,6 +42,8 @@ from inferwatch import contract as c
 
 TOKEN_ENV = "INFERWATCH_PAGER_TOKEN"
 DEFAULT_PORT = c.PORTS["pager"]
+# Thousands of alerts fit in far less; a bigger body is a mistake or an attack.
+MAX_BODY = 16 * 1024 * 1024
 log = logging.getLogger("inferwatch.pager")
 
 
@@ -298,7 +300,11 @@ def create_app(store: PageStore, token: str) -> FastAPI:
         auth = request.headers.get("authorization", "").encode()
         if not hmac.compare_digest(auth, expected):
             return reject(401, "missing or wrong bearer token", client=client)
+        if int(request.headers.get("content-length") or 0) > MAX_BODY:
+            return reject(413, f"body larger than {MAX_BODY} bytes", client=client)
         raw = await request.body()
+        if len(raw) > MAX_BODY:
+            return reject(413, f"body larger than {MAX_BODY} bytes", client=client)
         try:
             data = json.loads(raw)
         except (UnicodeDecodeError, json.JSONDecodeError) as exc:

@@ -89,13 +89,15 @@ def test_malformed_payloads_get_a_4xx_and_a_log_line_and_store_nothing(pager: Pa
     assert resp.status_code == 422 and "version" in resp.json()["error"]
     resp = pager.post(webhook() | {"alerts": []})
     assert resp.status_code == 422 and "alerts" in resp.json()["error"]
+    resp = httpx.post(pager.url + "/webhook", content=b"x" * (17 * 1024 * 1024), headers=headers, timeout=30)
+    assert resp.status_code == 413
     no_fingerprint = webhook()
     del no_fingerprint["alerts"][0]["fingerprint"]
     assert pager.post(no_fingerprint).status_code == 422
     assert pager.pages() == []
     logged = [json.loads(line) for line in pager.log_path.read_text().splitlines() if line.startswith("{")]
     rejected = [e for e in logged if e["msg"] == "webhook rejected"]
-    assert [e["status"] for e in rejected] == [400, 422, 422, 422]
+    assert [e["status"] for e in rejected] == [400, 422, 422, 413, 422]
     assert httpx.get(pager.url + "/healthz", timeout=10).json() == {"status": "ok"}
 
 
