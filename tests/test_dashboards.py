@@ -380,42 +380,39 @@ def test_variable_expansion_matches_grafana() -> None:
     assert live.legend("v{{version}} P99", {"version": "2"}) == "v2 P99"
 
 
-def test_cli_build_writes_and_checks(tmp_path: Path) -> None:
+def test_cli_build_writes_and_checks(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from inferwatch.cli import main
+
     exe = str(ROOT / ".venv" / "bin" / "inferwatch")
     out = tmp_path / "gen"
+    # The console script once, end to end; the rest in-process (same code, no interpreter start).
     proc = subprocess.run([exe, "dashboards", "build", "--out", str(out)], capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr
     assert sorted(p.name for p in out.iterdir()) == sorted(build.filename(n) for n in BUILT)
-    ok = subprocess.run(
-        [exe, "dashboards", "build", "--out", str(out), "--check"], capture_output=True, text=True
-    )
-    assert ok.returncode == 0, ok.stderr
+    assert main(["dashboards", "build", "--out", str(out), "--check"]) == 0
     (out / "gpu.json").write_text("{}")
-    stale = subprocess.run(
-        [exe, "dashboards", "build", "--out", str(out), "--check"], capture_output=True, text=True
-    )
-    assert stale.returncode == 1
-    assert stale.stderr.startswith("inferwatch: error: stale dashboards") and "gpu.json" in stale.stderr
+    assert main(["dashboards", "build", "--out", str(out), "--check"]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("inferwatch: error: stale dashboards") and "gpu.json" in err
     bad = tmp_path / "bad.yaml"
     bad.write_text("alerts:\n  error_rate:\n    threshold: 7\n")
-    cmd = [exe, "dashboards", "build", "--spec", str(bad), "--out", str(out)]
-    proc = subprocess.run(cmd, capture_output=True, text=True)
-    assert proc.returncode == 2
-    assert proc.stderr.count("\n") == 1 and "alerts.error_rate.threshold" in proc.stderr
+    assert main(["dashboards", "build", "--spec", str(bad), "--out", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "alerts.error_rate.threshold" in err
+    assert (out / "gpu.json").read_text() == "{}", "a bad spec must not touch the output"
 
 
-def test_cli_snapshot_refuses_bad_input(tmp_path: Path) -> None:
-    exe = str(ROOT / ".venv" / "bin" / "inferwatch")
+def test_cli_snapshot_refuses_bad_input(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from inferwatch.cli import main
+
     for args, msg in (
         (["--prometheus", "localhost:9090"], "is not a Prometheus URL"),
         (["--prometheus", "http://127.0.0.1:9", "--range", "soon"], "is not a duration"),
         (["--prometheus", "http://127.0.0.1:9", "--var", "model"], "use NAME=VALUE"),
+        (["--prometheus", "http://127.0.0.1:9", "--dashboard", "nope"], "unknown dashboard 'nope'"),
         (["--prometheus", "http://127.0.0.1:9"], "cannot reach Prometheus"),
     ):
-        proc = subprocess.run(
-            [exe, "dashboards", "snapshot", "--out", str(tmp_path / "snap"), *args],
-            capture_output=True,
-            text=True,
-        )
-        assert proc.returncode != 0, args
-        assert proc.stderr.startswith("inferwatch: error: ") and msg in proc.stderr, proc.stderr
+        code = main(["dashboards", "snapshot", "--out", str(tmp_path / "snap"), *args])
+        err = capsys.readouterr().err
+        assert code != 0, args
+        assert err.startswith("inferwatch: error: ") and msg in err and err.count("\n") == 1, err
