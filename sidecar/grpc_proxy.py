@@ -74,6 +74,7 @@ _CANCELLED = grpc.StatusCode.CANCELLED
 _DEADLINE = grpc.StatusCode.DEADLINE_EXCEEDED
 _UNAVAILABLE = grpc.StatusCode.UNAVAILABLE
 _INTERNAL = grpc.StatusCode.INTERNAL
+_EXHAUSTED = grpc.StatusCode.RESOURCE_EXHAUSTED
 
 # Triton drops the status code of an error inside ModelStreamInfer and sends only its message
 # (unless the client asks for ``triton_grpc_error``, which ends the stream with the real
@@ -150,7 +151,9 @@ class GrpcProxy:
         self.upstream = upstream
         self._tel = telemetry
         self._timeout = timeout_s
-        self._max_concurrent = max_concurrent_rpcs
+        # Calls in flight beyond this get the one fixed overload answer (RESOURCE_EXHAUSTED).
+        self._limit = max_concurrent_rpcs
+        self._active = 0
         size_options = [
             ("grpc.max_receive_message_length", max_message_bytes),
             ("grpc.max_send_message_length", max_message_bytes),
@@ -181,9 +184,7 @@ class GrpcProxy:
         """Listen on host:port (0 picks a free port); return the bound port."""
         self._channel = grpc.aio.insecure_channel(self.upstream, options=self._channel_options)
         self._build_handlers(self._channel)
-        self._server = grpc.aio.server(
-            options=self._server_options, maximum_concurrent_rpcs=self._max_concurrent
-        )
+        self._server = grpc.aio.server(options=self._server_options)
         self._server.add_generic_rpc_handlers((_Router(self._handlers, self._passthrough),))
         address = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
         try:
@@ -236,23 +237,53 @@ class GrpcProxy:
             path = f"/{SERVICE}/{name}"
             upstream = channel.unary_unary(path)  # no serializers: bytes in, bytes out
             self._handlers[path] = grpc.unary_unary_rpc_method_handler(
-                self._unary(upstream, path, name_field, version_field)
+                self._limited(
+                    self._unary(upstream, path, name_field, version_field), path, name_field, version_field
+                )
             )
         for path in EXTRA_UNARY_PATHS:
             self._handlers[path] = grpc.unary_unary_rpc_method_handler(
-                self._unary(channel.unary_unary(path), path, 0, 0)
+                self._limited(self._unary(channel.unary_unary(path), path, 0, 0), path)
             )
         path = f"/{SERVICE}/{STREAM_METHOD}"
         self._handlers[path] = grpc.stream_stream_rpc_method_handler(
-            self._stream_infer(channel.stream_stream(path), path)
+            self._limited(self._stream_infer(channel.stream_stream(path), path), path)
         )
 
     def _passthrough(self, path: str) -> grpc.RpcMethodHandler:
         """Any other method: forwarded as a stream (which carries unary calls too), no model."""
         assert self._channel is not None
         return grpc.stream_stream_rpc_method_handler(
-            self._raw_stream(self._channel.stream_stream(path), path)
+            self._limited(self._raw_stream(self._channel.stream_stream(path), path), path)
         )
+
+    def _limited(self, handler: Callable, path: str, name_field: int = 0, version_field: int = 0) -> Callable:
+        """``handler`` behind the in-flight limit: past it, the fixed overload answer, counted."""
+        if not self._limit:
+            return handler
+        limit, tel = self._limit, self._tel
+        name, outcome = self._codes[_EXHAUSTED]
+        span_name, attributes = span_attributes(path)
+        details = f"inferwatch sidecar: more than {limit} calls in flight"
+
+        async def limited(request: Any, context: grpc.aio.ServicerContext) -> Any:
+            if self._active >= limit:
+                model = version = MODEL_NONE
+                if name_field and isinstance(request, bytes):
+                    try:
+                        model, version, _ = read_strings(request, name_field, version_field)
+                    except WireError:
+                        pass
+                obs = tel.begin(model, version, PROTOCOL_GRPC, None, span_name, attributes)
+                tel.end(obs, name, outcome, len(request) if isinstance(request, bytes) else 0, 0)
+                await context.abort(_EXHAUSTED, details)
+            self._active += 1
+            try:
+                return await handler(request, context)
+            finally:
+                self._active -= 1
+
+        return limited
 
     def _timeout_for(self, context: grpc.aio.ServicerContext) -> float:
         """The client's deadline, capped by the per-request timeout."""

@@ -482,6 +482,28 @@ def test_message_size_limit(loop, triton, served) -> None:
         small.close()
 
 
+def test_in_flight_limit_gives_the_fixed_overload_answer_and_counts_it(loop, triton, served) -> None:
+    limited = InProcessProxy(loop, triton.grpc_url, max_concurrent_rpcs=1)
+    fault(triton.state_dir, "set", "--model", "ranker", "--version", "1", "--extra-latency-ms", "1000")
+    try:
+        limited.serve_models(served)
+        with grpc.insecure_channel(limited.url) as channel:
+            infer = channel.unary_unary(SERVICE + "ModelInfer")
+            first = infer.future(raw_infer_request("ranker", "1"), timeout=30)
+            wait_for(lambda: limited.in_flight() == 1, what="one call in flight")
+            started = time.monotonic()
+            with pytest.raises(grpc.RpcError) as info:
+                infer(raw_infer_request("ranker", "2"), timeout=30)
+            assert info.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+            assert time.monotonic() - started < 0.5
+            assert first.result(timeout=30)  # the accepted call is unharmed
+        assert limited.count("ranker", "RESOURCE_EXHAUSTED", "server_error", "2") == 1
+        assert limited.count("ranker", "OK", "success", "1") == 1
+    finally:
+        fault(triton.state_dir, "clear", "--model", "ranker")
+        limited.close()
+
+
 # --------------------------------------------------------------------------- dead upstream
 
 
@@ -592,7 +614,10 @@ def test_trace_context_reaches_triton_through_the_proxy(loop, tmp_path) -> None:
                 (s for s in receiver.spans if s.get("parentSpanId") and s["name"] == "InferRequest"), None
             )
 
-        theirs = wait_for(triton_request_span, timeout=15, what="Triton's span")
+        try:
+            theirs = wait_for(triton_request_span, timeout=30, what="Triton's span")
+        except AssertionError as exc:
+            raise AssertionError(f"{exc}; spans received: {receiver.spans}") from None
         assert theirs["traceId"] == TRACEPARENT.split("-")[1]
         assert theirs["parentSpanId"] == format(ours.context.span_id, "016x")
 
