@@ -246,17 +246,22 @@ def _draw_timeseries(fig: Any, panel: dict[str, Any], series: list[Series]) -> N
         if dash:
             kw["ls"] = "--"
         if stacked and target is ax:
-            handles.append((t, s.v, kw))
+            handles.append((s, kw))
         else:
             target.plot(t, s.v, **kw)
     if handles:
+        # Series may start or stop inside the range: stack them on the union of their
+        # timestamps, a missing point counting as 0 (as Grafana stacks nulls).
+        grid = sorted({x for h, _kw in handles for x in h.t})
+        layers = [[dict(zip(h.t, h.v, strict=True)).get(x, 0.0) for x in grid] for h, _kw in handles]
         ax.stackplot(
-            handles[0][0],
-            *[h[1] for h in handles if len(h[1]) == len(handles[0][1])],
-            labels=[h[2]["label"] for h in handles],
-            colors=[h[2]["color"] for h in handles],
+            [datetime.fromtimestamp(x, UTC) for x in grid],
+            *layers,
+            labels=[kw["label"] for _h, kw in handles],
+            colors=[kw["color"] for _h, kw in handles],
             alpha=0.6,
         )
+        main = [Series("stack", {}, grid, [sum(col) for col in zip(*layers, strict=True)])]
     if right is not None:
         right.set_ylim(bottom=0)
     _ylimits(ax, panel, main)
