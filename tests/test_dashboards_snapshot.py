@@ -7,9 +7,9 @@ from __future__ import annotations
 from pathlib import Path
 
 import matplotlib.pyplot as plt
-from matplotlib.colors import to_rgb
 import numpy as np
 import pytest
+from matplotlib.colors import to_rgb
 
 from dashboards import build, live, snapshot, urls
 from inferwatch.spec import load_spec
