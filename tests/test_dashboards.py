@@ -358,7 +358,10 @@ def test_provisioning_files_point_grafana_at_the_generated_json() -> None:
     (source,) = ds["datasources"]
     assert source["type"] == "prometheus" and source["isDefault"] is True
     assert source["url"].endswith(f":{c.PORTS['prometheus']}")
-    assert source["jsonData"]["exemplarTraceIdDestinations"][0]["name"] == "trace_id"
+    assert source["jsonData"]["timeInterval"] == SPEC.prometheus.scrape_interval
+    # Exemplars (trace_id) are asked for where the P99 is drawn.
+    p99 = _panel(BUILT[urls.MODEL_DETAIL], "P50 and P99 latency by version")
+    assert [t.get("exemplar", False) for t in p99["targets"]] == [False, True, False, False]
     prov = yaml.safe_load((PROVISIONING / "dashboards" / "inferwatch.yaml").read_text())
     (provider,) = prov["providers"]
     assert provider["type"] == "file" and provider["options"]["path"]
