@@ -213,7 +213,7 @@ class TritonServer:
         return [*cmd, *self.extra_args]
 
     def start(self) -> TritonServer:
-        if not (self.model_repository / "").is_dir():
+        if not self.model_repository.is_dir():
             raise LauncherError(f"model repository {self.model_repository} is not a directory")
         binary = find_binary(self.binary)
         for what, port in (
