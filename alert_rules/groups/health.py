@@ -13,10 +13,14 @@ def xid_expr() -> str:
     gpu = f"{c.L_GPU}, {c.L_UUID}, {c.L_HOSTNAME}"
     xid_total = c.GPU_XID_ERRORS_TOTAL.name
     dcgm = c.DCGM_XID_ERRORS.name
-    # inferwatch's exporter counts every XID by code; dcgm-exporter only shows the last
-    # code, so on such fleets a change to a non-zero code is the event.
+    # inferwatch's exporter counts every XID by code, creating a code's series at 1 on its
+    # first XID: increase() cannot see that first one, so a series that appeared within the
+    # window is an event too. dcgm-exporter only shows the last code, so on such fleets a
+    # change to a non-zero code is the event.
     return (
         f"sum by ({gpu}, xid) (increase({xid_total}[{XID_WINDOW}])) > 0\n"
+        f"or\n"
+        f"sum by ({gpu}, xid) ({xid_total} unless {xid_total} offset {XID_WINDOW})\n"
         f"or\n"
         f"(\n  max by ({gpu}) ({dcgm} != 0 and changes({dcgm}[{XID_WINDOW}]) > 0)\n"
         f"  unless on ({c.L_UUID}) {xid_total}\n)"
