@@ -43,15 +43,22 @@ def register(sub: argparse._SubParsersAction) -> None:
             "matplotlib (titles, units, legends, threshold lines): the dashboards where no Grafana runs."
         ),
     )
-    snap.add_argument("--prometheus", required=True, help="Prometheus base URL, e.g. http://127.0.0.1:9090")
+    snap.add_argument(
+        "--prometheus", required=True, metavar="URL", help="Prometheus base URL, e.g. http://127.0.0.1:9090"
+    )
     snap.add_argument("--out", type=Path, required=True, help="folder for the PNG files and index.html")
     snap.add_argument("--spec", default=DEFAULT_SPEC, help="fleet spec (default: %(default)s)")
     snap.add_argument(
-        "--range", dest="range_", default="15m", help="time range ending now (default: %(default)s)"
+        "--range",
+        dest="range_",
+        default="15m",
+        metavar="DURATION",
+        help="time range ending now (default: %(default)s)",
     )
     snap.add_argument(
         "--scrape-interval",
         default="15s",
+        metavar="DURATION",
         help="the Prometheus scrape interval, for $__rate_interval (default: %(default)s)",
     )
     snap.add_argument(
@@ -62,7 +69,11 @@ def register(sub: argparse._SubParsersAction) -> None:
         help="pin a dashboard variable (e.g. model=ranker); default: all values, or the first value",
     )
     snap.add_argument(
-        "--dashboard", action="append", default=[], help="render only this dashboard (repeatable)"
+        "--dashboard",
+        action="append",
+        default=[],
+        metavar="NAME",
+        help="render only this dashboard: fleet-overview, model-detail or gpu (repeatable)",
     )
     snap.set_defaults(func=_snapshot)
 
