@@ -17,6 +17,9 @@ Counting (one observation per request, each closed by exactly one ``Telemetry.en
   once per call with no model. One gRPC quirk applies there: when the upstream ends such a call
   before it has read the request (an unknown method's UNIMPLEMENTED), grpc's client may report
   INTERNAL "Internal error from Core" in place of the upstream's code.
+
+Past ``max_concurrent_rpcs`` calls in flight (a stream counts once) every new call gets one
+fixed, counted answer: RESOURCE_EXHAUSTED. User documentation: ``sidecar/GRPC.md``.
 """
 
 from __future__ import annotations
@@ -72,7 +75,6 @@ _TRACEPARENT = "traceparent"
 _OK = grpc.StatusCode.OK
 _CANCELLED = grpc.StatusCode.CANCELLED
 _DEADLINE = grpc.StatusCode.DEADLINE_EXCEEDED
-_UNAVAILABLE = grpc.StatusCode.UNAVAILABLE
 _INTERNAL = grpc.StatusCode.INTERNAL
 _EXHAUSTED = grpc.StatusCode.RESOURCE_EXHAUSTED
 
