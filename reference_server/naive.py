@@ -38,7 +38,7 @@ def _model_py():
 
     sys.modules.setdefault("triton_python_backend_utils", types.ModuleType("triton_python_backend_utils"))
     path = catalog.MODEL_REPOSITORY / "dense_batched" / "1" / "model.py"
-    spec = importlib.util.spec_from_file_location("inferwatch_reference_model", path)
+    spec = importlib.util.spec_from_file_location("reference_model_py", path)
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)

@@ -7,6 +7,7 @@ import shutil
 import signal
 import socket
 import subprocess
+import time
 from pathlib import Path
 
 import httpx
@@ -110,6 +111,9 @@ def test_cli_serves_until_sigterm_then_stops_cleanly(tmp_path: Path, processes) 
     )  # fmt: skip
     wait_http(f"http://127.0.0.1:{http}/v2/health/ready", timeout=180, proc=proc)
     assert httpx.get(f"http://127.0.0.1:{metrics}/metrics").status_code == 200
+    deadline = time.monotonic() + 30  # the launcher's own readiness poll may trail Triton's by a beat
+    while "triton ready" not in proc.log_path.read_text() and time.monotonic() < deadline:
+        time.sleep(0.1)
     assert processes.stop(proc, signal.SIGTERM) == 0
     log = proc.log_path.read_text()
     assert "triton ready" in log and "triton stopped" in log
