@@ -219,7 +219,7 @@ class DemoResult:
         if self.aborted:
             out.append(self.aborted)
         for f in self.faults:
-            if f.skipped:
+            if f.skipped or (self.aborted and f.injected_at is None):
                 continue
             if f.page_at is None:
                 out.append(f"{f.title}: no {f.alertname} page arrived")
@@ -563,6 +563,17 @@ class Demo:
         self.traffic: Traffic | None = None
         self._lock = threading.Lock()
 
+    def expected_seconds(self) -> float:
+        """Roughly how long the incident plays when every page comes at its minimum."""
+        faults = self.faults
+        stagger = self.sc.stagger_s * (len(faults) - 1)
+        return (
+            self.result.steady_s
+            + stagger
+            + max(f.minimum_s for f in faults)
+            + max(f.resolve_bound_s for f in faults)
+        )
+
     # -- callbacks from the observer thread --------------------------------------------
     def _on_page(self, page: Page, event: str) -> None:
         """A new alert occurrence (``firing``) or its resolution (``resolved``)."""
@@ -703,13 +714,14 @@ class Demo:
 # ---------------------------------------------------------------------------------------
 def main(args: argparse.Namespace) -> int:
     from inferwatch.cli import CliError
-    from inferwatch.stack.cli import stack_config, stop_on_signals
+    from inferwatch.stack.cli import setup_logging, stack_config, stop_on_signals, stop_stack
     from inferwatch.stack.core import Stack, StackError, running_stack
     from inferwatch.stack.demo_view import make_reporter, print_results
     from inferwatch.stack.supervisor import StartError
-    from inferwatch.stack.view import print_summary, start_progress
+    from inferwatch.stack.view import console, print_summary, start_progress
 
     config = stack_config(args)
+    setup_logging(config.state_dir)
     scenario = Scenario(steady_s=args.steady, rate=args.rate)
     if scenario.rate <= 0:
         raise CliError("--rate must be above 0", 2)
@@ -733,24 +745,35 @@ def main(args: argparse.Namespace) -> int:
                 raise CliError(str(exc)) from None
             except StackError as exc:
                 raise CliError(str(exc)) from None
-            print_summary(stack)
         try:
+            if stack is not None:
+                print_summary(stack)
             spec = info.spec()
             demo = Demo(info, spec, scenario, stop)
-            with make_reporter(demo) as reporter:
-                result = demo.run(reporter)
-            print_results(result)
+            minutes = demo.expected_seconds() / 60
+            if stack is None and minutes > 6:
+                console.print(
+                    f"the running stack uses {info.spec_path.name}: this incident takes about {minutes:.0f} "
+                    "minutes; for the short demo stop that stack and run `inferwatch demo` (fleet.demo.yaml)"
+                )
+            try:
+                with make_reporter(demo) as reporter:
+                    result = demo.run(reporter)
+            except httpx.HTTPError as exc:
+                raise CliError(
+                    f"the stack stopped answering during the demo ({type(exc).__name__}: {exc}); "
+                    f"see the logs under {info.state_dir / 'logs'}"
+                ) from None
             if args.json:
                 args.json.write_text(json.dumps(result.to_json(), indent=2))
+            print_results(result)
             if stack is not None and args.keep_running and not stop.is_set():
-                log("info", "the stack keeps running; Ctrl-C stops it")
+                console.print(f"the stack keeps running (state under {info.state_dir}); Ctrl-C stops it")
                 while not stop.wait(1.0) and stack.check() is None:
                     pass
         finally:
             if stack is not None:
-                survivors = stack.stop()
-                if survivors:
-                    raise CliError(f"processes survived the stop: {' '.join(str(p[0]) for p in survivors)}")
+                stop_stack(stack)
         if result.aborted == "interrupted":
             return 130
         return 0 if result.ok else 1

@@ -140,12 +140,23 @@ def stack_config(args: argparse.Namespace):  # -> StackConfig
     return config
 
 
+def setup_logging(state_dir: Path) -> None:
+    """On a terminal the rich view is for the person: structured lines go to the stack's log
+    file (warnings and errors still reach stderr). Elsewhere (CI) every line goes to stderr."""
+    from inferwatch.stack.log import configure
+    from inferwatch.stack.view import console
+
+    if console.is_terminal:
+        configure(quiet=True, file=state_dir / "logs" / "inferwatch.log")
+
+
 def _up(args: argparse.Namespace) -> int:
     from inferwatch.stack.core import Stack, StackError
     from inferwatch.stack.supervisor import StartError
     from inferwatch.stack.view import print_summary, start_progress
 
     config = stack_config(args)
+    setup_logging(config.state_dir)
     with stop_on_signals() as stop:
         stack = Stack(config, stop)
         try:
@@ -179,13 +190,27 @@ def _up(args: argparse.Namespace) -> int:
                 )
                 code = 1
                 break
-        survivors = stack.stop()
-        if survivors:
-            raise CliError(f"processes survived the stop: {' '.join(str(p[0]) for p in survivors)}")
-        from inferwatch.stack.log import log
-
-        log("info", "stack stopped; no process left", state_dir=str(config.state_dir))
+        stop_stack(stack)
         return code
+
+
+def stop_stack(stack) -> None:  # stack: inferwatch.stack.core.Stack
+    """Stop every component; a process that survived is an error naming its pid."""
+    from inferwatch.stack.log import log
+    from inferwatch.stack.view import stopped_message
+
+    try:
+        stopped_message(stack, stopping=True)
+    except OSError:  # the terminal is gone (SIGHUP); stopping matters more than saying so
+        pass
+    survivors = stack.stop()
+    if survivors:
+        raise CliError(f"processes survived the stop: {' '.join(str(p[0]) for p in survivors)}")
+    log("info", "stack stopped; no process left", state_dir=str(stack.config.state_dir))
+    try:
+        stopped_message(stack, stopping=False)
+    except OSError:
+        pass
 
 
 def _demo(args: argparse.Namespace) -> int:

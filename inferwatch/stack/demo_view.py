@@ -10,6 +10,7 @@ from contextlib import contextmanager
 
 from rich.console import Console, Group
 from rich.live import Live
+from rich.markup import escape
 from rich.panel import Panel
 from rich.table import Table
 from rich.text import Text
@@ -81,12 +82,18 @@ class LiveReporter:
         self.live.start()
         return self
 
+    def __exit__(self, *exc: object) -> None:
+        self.live.stop()
+
     def phase(self, name: str, text: str) -> None:
         self.phase_text = text
-        self.event(f"[bold]{name}[/]: {text}")
+        self._add(f"[bold]{name}[/]: {escape(text)}")
 
     def event(self, text: str) -> None:
-        self.events.append(f"t+{time.time() - self.demo.result.started_at:5.1f}s  {text}")
+        self._add(escape(text))
+
+    def _add(self, markup: str) -> None:
+        self.events.append(f"t+{time.time() - self.demo.result.started_at:5.1f}s  {markup}")
 
     def tick(self) -> None:
         pass
@@ -133,7 +140,7 @@ class LiveReporter:
                 Text(p.status, style=STATE_STYLE.get(p.status, "")),
                 Text(p.severity, style=SEVERITY_STYLE.get(p.severity, "")),
                 p.alertname,
-                p.describe().split("] ", 1)[-1],
+                p.ident(),
             )
         if not demo.result.pages:
             pages.add_row("", "(none yet)", "", "", "")
@@ -149,7 +156,9 @@ class LiveReporter:
                 page = f"waiting {now - f.injected_at:.0f}s"
             else:
                 page = f.skipped or "-"
-            faults.add_row(f.title, f"{f.alertname} [{f.severity}]", injected, page, f"{f.minimum_s:g}s")
+            faults.add_row(
+                Text(f.title), Text(f"{f.alertname} [{f.severity}]"), injected, page, f"{f.minimum_s:g}s"
+            )
 
         events = Panel("\n".join(self.events) or "", title="events", title_align="left")
         return Group(head, traffic, faults, alert_table, pages, events)
@@ -159,12 +168,8 @@ class LiveReporter:
 def make_reporter(demo) -> Iterator[LineReporter | LiveReporter]:
     console = _console()
     if console.is_terminal:
-        reporter = LiveReporter(demo, console)
-        with reporter:
-            try:
-                yield reporter
-            finally:
-                reporter.close()
+        with LiveReporter(demo, console) as reporter:
+            yield reporter
     else:
         yield LineReporter(demo, console)
 
@@ -177,7 +182,7 @@ def print_results(result) -> None:  # result: inferwatch.demo.DemoResult
     for col in RESULT_COLUMNS:
         table.add_column(col, justify="left" if col in ("fault", "page") else "right")
     for row in results_table_rows(result):
-        table.add_row(*row)
+        table.add_row(*(Text(cell) for cell in row))  # "[critical]" is text, not markup
     console.print(table)
     console.print(
         "theoretical min = the rule's condition time (N-1 whole error windows, or the rule's 'for') "

@@ -238,7 +238,12 @@ class Supervisor:
     def stop_all(self, timeout: float = 15.0) -> list[ProcId]:
         survivors: list[ProcId] = []
         while self.running:
-            survivors += self.stop_one(self.running.pop(), timeout)
+            running = self.running.pop()
+            try:
+                survivors += self.stop_one(running, timeout)
+            except Exception as exc:  # one component's trouble must not leave the others running
+                log("error", "stop failed", component=running.component.name, error=repr(exc))
+                survivors += [p for p in running.seen if alive(p)]
         return survivors
 
     def all_seen(self) -> set[ProcId]:

@@ -51,3 +51,15 @@ def print_summary(stack) -> None:  # stack: inferwatch.stack.core.Stack
     console.print(f"inject a fault: inferwatch fault set --state-dir {state} --model ranker --error-rate 0.5")
     console.print(f"see the pages:  {info.pager_url}/   alerts: {info.prometheus_url}/alerts")
     console.print("stop: Ctrl-C (or SIGTERM to this process) stops every component")
+
+
+def stopped_message(stack, stopping: bool) -> None:  # stack: inferwatch.stack.core.Stack
+    """One line for the person on a terminal (CI has the structured log lines)."""
+    if not console.is_terminal:
+        return
+    if stopping:
+        console.print("stopping the stack ...")
+    else:
+        console.print(
+            f"[green]stack stopped[/], no process left; logs under {stack.config.state_dir / 'logs'}"
+        )
