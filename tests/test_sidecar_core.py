@@ -165,3 +165,51 @@ def test_bad_config_is_one_line(argv: list[str], env: dict[str, str], message: s
         make_config(*argv, env=env)
     assert str(err.value).startswith(message)
     assert "\n" not in str(err.value)
+
+
+def test_cli_refuses_bad_configuration_in_one_line() -> None:
+    import subprocess
+
+    from tests.fixtures.net import inferwatch_cmd
+
+    for argv, message in (
+        (["--http-port", "70000"], "inferwatch: error: --http-port: 70000 is not a TCP port"),
+        (["--spec", "/nonexistent/fleet.yaml"], "inferwatch: error: /nonexistent/fleet.yaml: no such file"),
+    ):
+        proc = subprocess.run(inferwatch_cmd("sidecar", *argv), capture_output=True, text=True, timeout=60)
+        assert proc.returncode == 2, proc.stderr
+        assert proc.stderr.strip().startswith(message), proc.stderr
+        assert len(proc.stderr.strip().splitlines()) == 1
+
+
+def test_cli_help_names_every_flag_and_its_variable() -> None:
+    import subprocess
+
+    from tests.fixtures.net import inferwatch_cmd
+
+    out = subprocess.run(
+        inferwatch_cmd("sidecar", "--help"), capture_output=True, text=True, timeout=60
+    ).stdout
+    for flag, env in (
+        ("--upstream-http", "INFERWATCH_UPSTREAM_HTTP"),
+        ("--max-body-bytes", "INFERWATCH_MAX_BODY_BYTES"),
+    ):
+        assert flag in out and env in out
+
+
+def test_cli_port_in_use_is_one_line() -> None:
+    import socket
+    import subprocess
+
+    from tests.fixtures.net import free_port, inferwatch_cmd
+
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        argv = ["--host", "127.0.0.1", "--http-port", str(port), "--grpc-port", "0"]
+        argv += ["--metrics-port", str(free_port()), "--upstream-http", f"127.0.0.1:{free_port()}"]
+        proc = subprocess.run(inferwatch_cmd("sidecar", *argv), capture_output=True, text=True, timeout=60)
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("inferwatch: error:")]
+    assert proc.returncode == 1
+    assert len(errors) == 1 and str(port) in errors[0] and "in use" in errors[0], proc.stderr
