@@ -108,6 +108,17 @@ def _triton(args: argparse.Namespace) -> int:
             faults=str(server.faults_dir),
             log=str(server.log_path),
         )
+        from reference_server import faults
+
+        for target, fault in faults.active(server.state_dir).items():
+            # Faults live on across restarts; say so rather than surprise anyone.
+            _log(
+                "fault in effect",
+                target=target,
+                error_rate=fault.error_rate,
+                extra_latency_ms=fault.extra_latency_ms,
+                clear="inferwatch fault clear",
+            )
         code = server.wait()
         if not stopping:
             raise CliError(f"Triton exited unexpectedly with code {code}; see its log: {server.log_path}")

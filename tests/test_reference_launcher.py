@@ -13,7 +13,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from reference_server import catalog
+from reference_server import catalog, faults
 from reference_server.launcher import LauncherError, TritonServer
 from tests.fixtures.net import free_port, inferwatch_cmd, wait_http
 
@@ -77,9 +77,12 @@ def test_taken_port_is_one_clear_line(tmp_path: Path) -> None:
     assert not (tmp_path / "triton" / "triton.log").exists(), "refused before starting anything"
 
 
-def test_bad_port_number_is_refused(tmp_path: Path) -> None:
+def test_bad_port_number_and_missing_repository_are_refused(tmp_path: Path) -> None:
     proc = run_cli("triton", "--state-dir", str(tmp_path), "--http-port", "70000")
     assert "--http-port" in one_error_line(proc)
+    missing = tmp_path / "no-repo"
+    proc = run_cli("triton", "--state-dir", str(tmp_path), *ports(), "--model-repository", str(missing))
+    assert f"model repository {missing} is not a directory" in one_error_line(proc)
 
 
 def test_a_model_that_fails_to_load_is_named(tmp_path: Path) -> None:
@@ -102,6 +105,7 @@ def test_a_model_that_fails_to_load_is_named(tmp_path: Path) -> None:
 
 def test_cli_serves_until_sigterm_then_stops_cleanly(tmp_path: Path, processes) -> None:
     http, grpc, metrics = free_port(), free_port(), free_port()
+    faults.set_fault("ranker", "2", error_rate=0.5, state_dir=tmp_path)  # left from an earlier run
     proc = processes.start(
         "triton",
         inferwatch_cmd(
@@ -117,6 +121,7 @@ def test_cli_serves_until_sigterm_then_stops_cleanly(tmp_path: Path, processes) 
     assert processes.stop(proc, signal.SIGTERM) == 0
     log = proc.log_path.read_text()
     assert "triton ready" in log and "triton stopped" in log
+    assert 'msg="fault in effect" target=ranker@2 error_rate=0.5' in log
     assert (tmp_path / "triton" / "triton.log").is_file()
     with pytest.raises(httpx.ConnectError):
         httpx.get(f"http://127.0.0.1:{http}/v2/health/live", timeout=2)
