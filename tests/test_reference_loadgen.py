@@ -77,7 +77,9 @@ def test_a_sender_that_cannot_keep_up_says_so(triton, clean_faults: Path) -> Non
     )
     assert not s.kept_up and s.skipped > 0
     assert any("could not keep up" in w for w in s.warnings)
-    assert s.sent <= 2 * 3 + 2, "at most max_in_flight outstanding while each takes 300 ms"
+    # Each of the 2 in-flight slots frees at most every 300 ms; every other arrival was skipped.
+    assert s.sent <= 2 + 2 * math.ceil(2.0 / 0.3)
+    assert abs(s.sent + s.skipped - 100) <= 4.5 * math.sqrt(100)
     assert s.latency_s["p50"] >= 0.3
 
 
