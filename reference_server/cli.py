@@ -37,7 +37,8 @@ def _register_triton(sub: argparse._SubParsersAction) -> None:
         help="run the bundled Triton reference server in the foreground",
         description=(
             "Start NVIDIA Triton on the reference model repository (dense_batched, dense_unbatched, "
-            "ranker v1/v2), wait until every model is ready, and keep it running until SIGTERM or "
+            "dense_int4_batched, dense_int4_unbatched, ranker v1/v2), wait until every model is ready, "
+            "and keep it running until SIGTERM or "
             "Ctrl-C, which stop it cleanly. Fault injection (inferwatch fault) works on the state "
             "directory given here."
         ),
@@ -370,14 +371,15 @@ def _load(args: argparse.Namespace) -> int:
 # inferwatch naive-server
 # ---------------------------------------------------------------------------------------
 def _register_naive(sub: argparse._SubParsersAction) -> None:
-    from reference_server.naive import DEFAULT_PORT
+    from reference_server.defaults import NAIVE_SERVER_PORT as DEFAULT_PORT
 
     p = sub.add_parser(
         "naive-server",
         help="serve the dense model with plain FastAPI, one request at a time (the baseline)",
         description=(
-            "Serve the dense reference model (as dense_batched and dense_unbatched, same weights as "
-            "Triton's) over the KServe v2 HTTP protocol with FastAPI, computing each request inline, "
+            "Serve the dense reference models (dense_batched, dense_unbatched, dense_int4_*: same "
+            "weights and code as Triton's) over the KServe v2 HTTP protocol with FastAPI, computing "
+            "each request inline, "
             "one at a time: the naive baseline of the batching benchmark. /healthz answers when ready."
         ),
     )

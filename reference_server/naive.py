@@ -23,8 +23,9 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
 from reference_server import catalog
+from reference_server.defaults import NAIVE_SERVER_PORT
 
-DEFAULT_PORT = 8020
+DEFAULT_PORT = NAIVE_SERVER_PORT
 HEADER_LENGTH = "Inference-Header-Content-Length"
 _DTYPES = {"FP32": np.float32, "FP64": np.float64, "FP16": np.float16, "INT32": np.int32, "INT64": np.int64}
 log = logging.getLogger("inferwatch.naive")

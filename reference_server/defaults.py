@@ -1,0 +1,4 @@
+"""Defaults shared by the reference server's commands, importable without numpy or FastAPI."""
+
+# The naive baseline server's port (not part of the stack's port map in DESIGN.md).
+NAIVE_SERVER_PORT = 8020
