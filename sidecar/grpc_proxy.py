@@ -340,6 +340,7 @@ class GrpcProxy:
                 log.exception("grpc proxy failure", extra={"fields": {"method": path}})
                 await context.abort(_INTERNAL, "inferwatch sidecar: proxy failure")
             tel.end(obs, ok_name, ok_outcome, len(request), len(response))
+            await _forward_initial_metadata(call, context)
             trailing = await call.trailing_metadata()
             if trailing:
                 context.set_trailing_metadata(tuple(trailing))
@@ -401,8 +402,12 @@ class GrpcProxy:
                 open_count = 0
 
             pumper = asyncio.create_task(pump())
+            first = True
             try:
                 async for resp in call:
+                    if first:
+                        first = False
+                        await _forward_initial_metadata(call, context)
                     try:
                         error, _model, rid, final = stream_response_info(resp)
                     except WireError:
@@ -463,8 +468,12 @@ class GrpcProxy:
                 await call.done_writing()
 
             pumper = asyncio.create_task(pump())
+            first = True
             try:
                 async for resp in call:
+                    if first:
+                        first = False
+                        await _forward_initial_metadata(call, context)
                     received += len(resp)
                     await context.write(resp)
                 code = await call.code()
@@ -487,6 +496,13 @@ class GrpcProxy:
                 context.set_trailing_metadata(tuple(trailing))
 
         return handler
+
+
+async def _forward_initial_metadata(call: Any, context: grpc.aio.ServicerContext) -> None:
+    """The upstream's response headers, sent to the client before the first response."""
+    initial = await call.initial_metadata()
+    if initial:
+        await context.send_initial_metadata(tuple(initial))
 
 
 def _let_finish(pump: asyncio.Task) -> None:

@@ -13,6 +13,7 @@ import asyncio
 import http.server
 import json
 import queue
+import signal
 import subprocess
 import threading
 import time
@@ -35,11 +36,11 @@ from tritonclient.utils import InferenceServerException
 
 from inferwatch import contract
 from reference_server.catalog import MODELS, example_input
-from reference_server.launcher import TritonServer
+from reference_server.launcher import TritonServer, find_binary, prepare_backends, triton_env
 from sidecar.config import SidecarConfig
 from sidecar.grpc_proxy import GrpcProxy
 from sidecar.telemetry import UPSTREAM_GRPC, Telemetry
-from tests.fixtures.net import free_port, inferwatch_cmd
+from tests.fixtures.net import Processes, free_port, inferwatch_cmd, wait_http
 
 pytestmark = pytest.mark.integration
 
@@ -103,6 +104,45 @@ class InProcessProxy:
 
     def upstream_up(self) -> float | None:
         return self.registry.get_sample_value(UP, {"upstream": UPSTREAM_GRPC})
+
+
+class SmallTriton:
+    """A second Triton serving ``ranker`` only, started without a fork-time hook.
+
+    ``TritonServer.start`` forks with a ``preexec_fn``; a fork while gRPC threads of this test
+    process are busy can crash the child before it execs (seen once). ``Processes.start`` runs
+    no Python in the child, so restarting an upstream in the middle of gRPC traffic is safe.
+    """
+
+    def __init__(self, processes: Processes, state_dir: Path, grpc_port: int = 0, *extra: str) -> None:
+        self.processes = processes
+        self.server = TritonServer(
+            grpc_port=grpc_port or free_port(),
+            http_port=free_port(),
+            metrics_port=free_port(),
+            state_dir_path=state_dir,
+            extra_args=("--model-control-mode=explicit", "--load-model=ranker", *extra),
+        )
+        binary = find_binary()
+        self.cmd = self.server.command(binary, prepare_backends(binary, state_dir / "backends"))
+        self.env = triton_env(faults_dir=state_dir / "faults")
+        self.proc: subprocess.Popen | None = None
+        self.grpc_url = self.server.grpc_url
+        self.http_url = self.server.http_url
+
+    def start(self) -> SmallTriton:
+        self.proc = self.processes.start("triton", self.cmd, env=self.env)
+        wait_http(f"http://{self.http_url}/v2/health/ready", timeout=180, proc=self.proc)
+        return self
+
+    def kill(self) -> None:
+        """SIGKILL: the upstream vanishes without a goodbye."""
+        assert self.proc is not None
+        self.processes.stop(self.proc, signal.SIGKILL)
+
+    def stop(self) -> None:
+        if self.proc is not None:
+            self.processes.stop(self.proc)
 
 
 def wait_for(predicate, timeout: float = 10.0, what: str = "condition"):
@@ -507,7 +547,7 @@ def test_in_flight_limit_gives_the_fixed_overload_answer_and_counts_it(loop, tri
 # --------------------------------------------------------------------------- dead upstream
 
 
-def test_dead_upstream_is_unavailable_fast_counted_and_recovers(loop, tmp_path) -> None:
+def test_dead_upstream_is_unavailable_fast_counted_and_recovers(loop, processes, tmp_path) -> None:
     port = free_port()
     p = InProcessProxy(loop, f"127.0.0.1:{port}", reconnect_backoff_max_s=0.5)
     try:
@@ -520,13 +560,7 @@ def test_dead_upstream_is_unavailable_fast_counted_and_recovers(loop, tmp_path) 
         wait_for(lambda: p.upstream_up() == 0, what="upstream_up 0")
 
         # The upstream comes back on the same address: traffic flows again without a restart.
-        server = TritonServer(
-            grpc_port=port,
-            http_port=free_port(),
-            metrics_port=free_port(),
-            state_dir_path=tmp_path,
-            extra_args=("--model-control-mode=explicit", "--load-model=ranker"),
-        ).start()
+        server = SmallTriton(processes, tmp_path, port).start()
         try:
             wait_for(lambda: p.upstream_up() == 1, timeout=5, what="upstream_up 1")
             result = client.infer("ranker", infer_inputs("ranker"), model_version="1")
@@ -571,24 +605,19 @@ class OtlpJsonReceiver:
         self.server.server_close()
 
 
-def test_trace_context_reaches_triton_through_the_proxy(loop, tmp_path) -> None:
+def test_trace_context_reaches_triton_through_the_proxy(loop, processes, tmp_path) -> None:
     """With tracing on, the proxy's server span continues the client's trace and is the parent of
     Triton's own span (Triton exports its spans over OTLP); the histogram exemplar carries the trace."""
     receiver = OtlpJsonReceiver()
-    server = TritonServer(
-        grpc_port=free_port(),
-        http_port=free_port(),
-        metrics_port=free_port(),
-        state_dir_path=tmp_path,
-        extra_args=(
-            "--model-control-mode=explicit",
-            "--load-model=ranker",
-            "--trace-config=mode=opentelemetry",
-            "--trace-config=rate=1",
-            "--trace-config=level=TIMESTAMPS",
-            f"--trace-config=opentelemetry,url=127.0.0.1:{receiver.port}/v1/traces",
-            "--trace-config=opentelemetry,bsp_schedule_delay=100",
-        ),
+    server = SmallTriton(
+        processes,
+        tmp_path,
+        0,
+        "--trace-config=mode=opentelemetry",
+        "--trace-config=rate=1",
+        "--trace-config=level=TIMESTAMPS",
+        f"--trace-config=opentelemetry,url=127.0.0.1:{receiver.port}/v1/traces",
+        "--trace-config=opentelemetry,bsp_schedule_delay=100",
     ).start()
     exporter = InMemorySpanExporter()
     provider = TracerProvider()

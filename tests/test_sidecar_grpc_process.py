@@ -17,10 +17,8 @@ import tritonclient.grpc as tgrpc
 from tritonclient.utils import InferenceServerException
 
 from inferwatch import contract
-from reference_server.launcher import TritonServer
-from tests.fixtures.net import free_port
 from tests.fixtures.sidecar import SidecarInfo, launch_sidecar
-from tests.test_sidecar_grpc import fault, infer_inputs, wait_for
+from tests.test_sidecar_grpc import SmallTriton, fault, infer_inputs, wait_for
 
 pytestmark = pytest.mark.integration
 
@@ -151,17 +149,11 @@ def test_sigterm_drains_grpc_calls_in_flight(triton, tmp_path) -> None:
         fault(triton.state_dir, "clear", "--model", "ranker")
 
 
-def test_upstream_killed_mid_load_no_hang_all_counted_and_recovers(tmp_path) -> None:
-    ports = {"http_port": free_port(), "grpc_port": free_port(), "metrics_port": free_port()}
-    only_ranker = ("--model-control-mode=explicit", "--load-model=ranker")
-
-    def start_triton() -> TritonServer:
-        return TritonServer(**ports, state_dir_path=tmp_path / "triton", extra_args=only_ranker).start()
-
-    server = start_triton()
+def test_upstream_killed_mid_load_no_hang_all_counted_and_recovers(processes, tmp_path) -> None:
+    server = SmallTriton(processes, tmp_path / "triton").start()
     with launch_sidecar(
-        f"127.0.0.1:{ports['http_port']}",
-        f"127.0.0.1:{ports['grpc_port']}",
+        server.http_url,
+        server.grpc_url,
         tmp_path,
         "--connect-timeout",
         "0.5",
@@ -192,12 +184,11 @@ def test_upstream_killed_mid_load_no_hang_all_counted_and_recovers(tmp_path) -> 
             w.start()
         try:
             wait_for(lambda: seen["OK"] >= 20, timeout=30, what="traffic flowing")
-            os.killpg(server.proc.pid, signal.SIGKILL)  # no goodbye: the upstream just vanishes
-            server.proc.wait()
+            server.kill()
             wait_for(lambda: seen["UNAVAILABLE"] >= 20, timeout=10, what="fast UNAVAILABLE answers")
             assert grpc_up(sc) == 0
             ok_before = seen["OK"]
-            server = start_triton()
+            server.start()  # same ports, same command
             wait_for(lambda: seen["OK"] >= ok_before + 20, timeout=30, what="traffic flowing again")
             assert grpc_up(sc) == 1
         finally:
