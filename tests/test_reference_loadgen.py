@@ -122,19 +122,25 @@ def test_python_api_counters_are_readable_while_running(triton) -> None:
     assert not gen.running and final.ok == final.sent
 
 
-def test_cli_json_summary(triton) -> None:
+def test_cli_json_summary_with_batched_requests(triton) -> None:
+    before = triton_metrics.scrape(triton.metrics_url)
     proc = subprocess.run(
         inferwatch_cmd(
             "load", "--url", triton.http_url, "--concurrency", "2", "--duration", "1",
-            "--model", "dense_unbatched", "--json",
+            "--model", "dense_unbatched", "--batch", "4", "--json",
         ),
         capture_output=True, text=True, timeout=120,
     )  # fmt: skip
+    after = triton_metrics.scrape(triton.metrics_url)
     assert proc.returncode == 0, proc.stderr
     data = json.loads(proc.stdout)
     assert data["sent"] == data["ok"] > 0 and data["errors"] == {}
     assert set(data["latency_s"]) == {"p50", "p90", "p99", "max"}
     assert data["mode"] == "closed" and data["kept_up"] is True
+    # 4 rows per request: Triton counts 4 inferences per request and one execution each.
+    count = contract.TRITON_INFERENCE_COUNT.name
+    assert triton_metrics.delta(before, after, count, "dense_unbatched") == 4 * data["ok"]
+    assert triton_metrics.delta(before, after, OK, "dense_unbatched") == data["ok"]
 
 
 def test_bad_load_settings_are_refused(capsys: pytest.CaptureFixture) -> None:
