@@ -204,3 +204,43 @@ def test_free_ports_are_distinct_and_free() -> None:
     for port in ports.values():
         with socket.socket() as s:
             s.bind(("127.0.0.1", port))
+
+
+def test_demo_refuses_a_bad_rate_before_starting_anything(tmp_path: Path) -> None:
+    proc = subprocess.run(
+        inferwatch_cmd("demo", "--state-dir", str(tmp_path / "state"), "--free-ports", "--rate", "0"),
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd=ROOT,
+    )
+    assert proc.returncode == 2
+    assert "--rate must be above 0" in one_line_error(proc)
+    assert_nothing_started(tmp_path)
+
+
+def processes_mentioning(text: str) -> list[int]:
+    """Pids whose command line mentions ``text`` (the test's own state dir)."""
+    out = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                if text in (entry / "cmdline").read_bytes().decode(errors="replace"):
+                    out.append(int(entry.name))
+            except OSError:
+                pass
+    return out
+
+
+def test_a_component_that_is_not_ready_in_time_stops_what_started(tmp_path: Path) -> None:
+    # Triton cannot be ready within a second: up must say so in one line and leave nothing.
+    proc = up(tmp_path, "--free-ports", "--ready-timeout", "1")
+    assert proc.returncode == 1
+    errors = [ln for ln in proc.stderr.splitlines() if ln.startswith("inferwatch: error: ")]
+    assert len(errors) == 1, proc.stderr
+    line = errors[0]
+    assert "msg=stopped component=triton" in proc.stderr  # what started was stopped, and said so
+    assert "triton not ready after 1s" in line
+    assert str(tmp_path / "state" / "logs" / "triton.log") in line
+    assert processes_mentioning(str(tmp_path / "state")) == []
+    assert not (tmp_path / "state" / STACK_FILE).exists()

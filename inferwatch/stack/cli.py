@@ -12,6 +12,7 @@ from pathlib import Path
 from inferwatch.cli import CliError
 
 DEFAULT_SPEC = "fleet.yaml"
+REPO_ROOT = Path(__file__).resolve().parents[2]
 DEMO_SPEC = "fleet.demo.yaml"
 
 
@@ -127,8 +128,11 @@ def stack_config(args: argparse.Namespace):  # -> StackConfig
         overrides = parse_port_overrides(args.port)
     except ValueError as exc:
         raise CliError(str(exc), code=2) from None
+    spec = Path(args.spec)
+    if not spec.exists() and spec.name == args.spec and (REPO_ROOT / spec).is_file():
+        spec = REPO_ROOT / spec  # the default spec, run from outside the checkout
     config = StackConfig(
-        spec_path=Path(args.spec),
+        spec_path=spec,
         state_dir=(args.state_dir or default_state_dir()).expanduser().resolve(),
         ready_timeout=args.ready_timeout,
     )
@@ -152,7 +156,8 @@ def setup_logging(state_dir: Path) -> None:
 
 def _up(args: argparse.Namespace) -> int:
     from inferwatch.stack.core import Stack, StackError
-    from inferwatch.stack.supervisor import StartError
+    from inferwatch.stack.log import log
+    from inferwatch.stack.supervisor import StartError, log_tail
     from inferwatch.stack.view import print_summary, start_progress
 
     config = stack_config(args)
@@ -172,25 +177,24 @@ def _up(args: argparse.Namespace) -> int:
             raise CliError(str(exc)) from None
         except StackError as exc:
             raise CliError(str(exc)) from None
-        print_summary(stack)
         code = 0
-        while not stop.wait(1.0):
-            dead = stack.check()
-            if dead is not None:
-                from inferwatch.stack.log import log
-                from inferwatch.stack.supervisor import log_tail
-
-                log(
-                    "error",
-                    "component exited; stopping the stack",
-                    component=dead.component.name,
-                    code=dead.proc.returncode,
-                    log=str(dead.component.log_path),
-                    tail=log_tail(dead.component.log_path, 3),
-                )
-                code = 1
-                break
-        stop_stack(stack)
+        try:  # whatever happens from here (even a closed stdout), the stack is stopped
+            print_summary(stack)
+            while not stop.wait(1.0):
+                dead = stack.check()
+                if dead is not None:
+                    log(
+                        "error",
+                        "component exited; stopping the stack",
+                        component=dead.component.name,
+                        code=dead.proc.returncode,
+                        log=str(dead.component.log_path),
+                        tail=log_tail(dead.component.log_path, 3),
+                    )
+                    code = 1
+                    break
+        finally:
+            stop_stack(stack)
         return code
 
 
