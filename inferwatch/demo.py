@@ -7,9 +7,10 @@ simulated exporter); then recovery. Every page is read back from the pager recei
 what the table reports is what an on-call engineer would have received.
 
 Timing comes from the fleet spec alone (``fleet.demo.yaml`` scales minutes to seconds):
-the steady phase lasts the error rule's windows, and each fault's theoretical minimum
-delay is its rule's condition time (``condition_seconds``) plus one evaluation interval
-plus the group wait of its severity's route.
+the steady phase is long enough for every rule to have fired from a cold start
+(``default_steady``), and each fault's theoretical minimum delay is its rule's condition
+time (``condition_seconds``) plus one evaluation interval plus the group wait of its
+severity's route.
 """
 
 from __future__ import annotations
@@ -43,10 +44,6 @@ TRAFFIC_MIX = (
     ("ranker", "1", 4.0),
     ("ranker", "2", 4.0),
 )
-
-
-class DemoError(Exception):
-    """The demo cannot run (the stack is missing a part it needs); one line."""
 
 
 # ---------------------------------------------------------------------------------------

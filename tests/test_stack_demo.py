@@ -1,0 +1,106 @@
+"""The demo's arithmetic and bookkeeping, without a stack: timings derived from the spec,
+and pages read from what the real pager stores."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from alert_rules.pager import PageStore, WebhookPayload
+from inferwatch import contract
+from inferwatch.demo import (
+    Page,
+    Scenario,
+    condition_seconds,
+    default_steady,
+    parse_pages,
+    plan_faults,
+    theoretical_minimum,
+)
+from inferwatch.spec import load_spec, parse_spec
+from tests.fixtures.net import ROOT
+
+DEMO = load_spec(ROOT / "fleet.demo.yaml")
+FLEET = load_spec(ROOT / "fleet.yaml")
+
+
+def test_theoretical_minimum_is_condition_plus_evaluation_plus_group_wait() -> None:
+    # fleet.demo.yaml: evaluation 2s; group waits critical 2s, warning 3s, info 5s.
+    assert condition_seconds(DEMO, contract.ALERT_HIGH_ERROR_RATE) == 20  # (3 - 1) x 10s
+    assert theoretical_minimum(DEMO, contract.ALERT_HIGH_ERROR_RATE) == 20 + 2 + 2
+    assert theoretical_minimum(DEMO, contract.ALERT_HIGH_P99_LATENCY) == 30 + 2 + 3
+    assert theoretical_minimum(DEMO, contract.ALERT_GPU_MEMORY_PRESSURE) == 15 + 2 + 5
+    # The production spec, same formula: minutes instead of seconds.
+    assert theoretical_minimum(FLEET, contract.ALERT_HIGH_ERROR_RATE) == 120 + 15 + 10
+    assert theoretical_minimum(FLEET, contract.ALERT_GPU_MEMORY_PRESSURE) == 300 + 15 + 60
+
+
+def test_timings_follow_the_spec_not_code() -> None:
+    faster = parse_spec(
+        {
+            "alerts": {"error_rate": {"window": "5s", "consecutive_windows": 2}, "gpu_memory": {"for": "4s"}},
+            "prometheus": {"scrape_interval": "1s", "evaluation_interval": "1s"},
+            "routing": {"critical": {"receiver": "pager", "group_wait": "1s", "repeat_interval": "1h"}},
+        }
+    )
+    assert theoretical_minimum(faster, contract.ALERT_HIGH_ERROR_RATE) == 5 + 1 + 1
+    # Steady: long enough for the slowest rule from a cold start (latency for 5m here).
+    assert default_steady(faster) == 300 + 1 + 60
+    assert default_steady(DEMO) == max(30, 30, 15) + 2 + 5
+
+
+def test_each_fault_expects_its_tier_and_labels() -> None:
+    faults = {f.alertname: f for f in plan_faults(DEMO, Scenario())}
+    assert {a: f.severity for a, f in faults.items()} == contract.TIERED_ALERTS
+    assert faults[contract.ALERT_HIGH_P99_LATENCY].match == {
+        contract.L_MODEL: "ranker",
+        contract.L_VERSION: "2",
+    }
+    assert faults[contract.ALERT_GPU_MEMORY_PRESSURE].match == {contract.L_GPU: "0"}
+    error = faults[contract.ALERT_HIGH_ERROR_RATE]
+    page = Page("k", error.alertname, "critical", dict(error.match), {}, "firing", 0.0, 0.0)
+    assert error.matches(page)
+    other = Page(
+        "k", error.alertname, "critical", {**error.match, contract.L_VERSION: "2"}, {}, "firing", 0, 0
+    )
+    assert not error.matches(other)
+
+
+def _payload(status: str, ends_at: str) -> WebhookPayload:
+    return WebhookPayload.model_validate(
+        {
+            "version": "4",
+            "groupKey": '{}:{alertname="GPUMemoryPressure"}',
+            "status": status,
+            "receiver": "low-urgency",
+            "alerts": [
+                {
+                    "status": status,
+                    "labels": {"alertname": "GPUMemoryPressure", "severity": "info", "gpu": "0"},
+                    "annotations": {"runbook_url": "https://example.invalid/GPUMemoryPressure.md"},
+                    "startsAt": "2026-01-01T00:00:00Z",
+                    "endsAt": ends_at,
+                    "fingerprint": "abc",
+                }
+            ],
+        }
+    )
+
+
+def test_pages_are_read_as_the_pager_stores_them(tmp_path: Path) -> None:
+    store = PageStore(tmp_path / "pager.sqlite")
+    firing = _payload("firing", "0001-01-01T00:00:00Z")
+    store.add(firing, json.dumps(firing.model_dump()))
+    [page] = parse_pages({"pages": store.pages({})}, now=0.0)
+    assert (page.alertname, page.severity, page.status) == ("GPUMemoryPressure", "info", "firing")
+    assert page.labels[contract.L_GPU] == "0"
+    assert page.annotations["runbook_url"].endswith("GPUMemoryPressure.md")
+    assert page.received_at > 1.7e9 and page.resolved_at is None
+
+    resolved = _payload("resolved", "2026-01-01T00:01:00Z")
+    store.add(resolved, json.dumps(resolved.model_dump()))
+    [again] = parse_pages({"pages": store.pages({})}, now=0.0)
+    assert again.key == page.key  # the same occurrence, now resolved
+    assert again.status == "resolved" and again.notifications == 2
+    assert again.resolved_at is not None and again.resolved_at >= again.received_at
+    store.close()
