@@ -558,9 +558,9 @@ class ClientConn(asyncio.Protocol):
             self.update_reading()
 
     def eof_received(self) -> bool | None:
+        # As nginx does: a client's end of input means it went away (a half-close cannot be
+        # told from a close), so the transport closes and connection_lost cancels the upstream.
         self.eof = True
-        if self.exchanges and not self.closed:
-            return True  # a half-closed client still gets its answer, then the connection closes
         return None
 
     def pause_writing(self) -> None:

@@ -147,3 +147,51 @@ def test_sigterm_mid_load_fails_no_accepted_request(triton, tmp_path: Path) -> N
     assert set(tally) <= {200, *(e.__name__ for e in NOT_ACCEPTED)}, tally
     # Some requests were in flight when SIGTERM arrived and finished during the drain.
     assert any(t0 < sent < t1 and r == 200 for t0, t1, r in load.results)
+
+
+def test_request_timeout_and_client_disconnect(triton, tmp_path: Path) -> None:
+    """A slow upstream answer becomes a 504 at --request-timeout; a client that leaves cancels
+    its request at once (counted as 499, nothing left in flight)."""
+    import socket
+    import subprocess
+
+    from tests.fixtures.net import inferwatch_cmd
+
+    state = ["--state-dir", str(triton.state_dir)]
+    fault = ["fault", "set", "--model", "ranker", "--version", "1", "--extra-latency-ms", "2500", *state]
+    body = json.dumps(GOOD).encode()
+    request = (
+        b"POST /v2/models/ranker/versions/1/infer HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        b"Content-Length: %d\r\n\r\n%b" % (len(body), body)
+    )
+    with launch_sidecar(
+        triton.http_url, triton.grpc_url, tmp_path, "--grpc-port", "0", "--request-timeout", "1"
+    ) as sc:
+        subprocess.run(inferwatch_cmd(*fault), check=True, capture_output=True)
+        try:
+            started = time.monotonic()
+            r = httpx.post(f"{sc.base_url}/v2/models/ranker/versions/1/infer", json=GOOD, timeout=10)
+            took = time.monotonic() - started
+            assert r.status_code == 504 and "did not answer in time" in r.json()["error"]
+            assert 0.9 < took < 2.0, took
+
+            with socket.create_connection(("127.0.0.1", sc.http_port)) as s:
+                s.sendall(request)
+                wait_for(
+                    lambda: any(v == 1 for _, v in sc.samples(contract.REQUESTS_IN_FLIGHT.name)),
+                    5,
+                    "in flight",
+                )
+            left = time.monotonic()
+            wait_for(
+                lambda: all(v == 0 for _, v in sc.samples(contract.REQUESTS_IN_FLIGHT.name)), 5, "cancel"
+            )
+            assert time.monotonic() - left < 0.9  # not the 1 s timeout nor the 2.5 s answer
+        finally:
+            subprocess.run(inferwatch_cmd("fault", "clear", "--model", "ranker", *state), check=True)
+        counted = {
+            (labels["code"], labels["outcome"]): value
+            for labels, value in sc.samples(contract.REQUESTS_TOTAL.name)
+            if labels["model"] == "ranker"
+        }
+    assert counted == {("504", "server_error"): 1.0, ("499", "client_error"): 1.0}
