@@ -205,8 +205,9 @@ class MetricsServer:
 
 
 async def fetch_repository_index(host: str, port: int, timeout: float) -> tuple[int, Any]:
-    """(status, parsed JSON or None) of ``POST /v2/repository/index``; raises OSError when unreachable."""
-    body = b"{}"
+    """(status, parsed JSON or None) of ``POST /v2/repository/index`` for ready models; raises
+    OSError when unreachable."""
+    body = b'{"ready": true}'  # the models it serves now, not every one in its repository
     head = (
         f"POST /v2/repository/index HTTP/1.1\r\nHost: {host}:{port}\r\nContent-Type: application/json\r\n"
         f"Content-Length: {len(body)}\r\nConnection: close\r\n\r\n"

@@ -110,6 +110,21 @@ def test_upstream_killed_mid_load_then_back(tmp_path: Path) -> None:
                 expected = "success" if labels["code"] == "200" else "server_error"
                 assert labels["outcome"] == expected, labels
             in_flight = sc.samples(contract.REQUESTS_IN_FLIGHT.name)
+
+            # A model loaded later (through the sidecar's own proxy of the repository API) gets
+            # its own label once the sidecar re-reads the index, which an unknown name triggers.
+            def labelled_as(model: str) -> set[str]:
+                httpx.post(f"{sc.base_url}/v2/models/{model}/infer", json={}, timeout=30)
+                return {
+                    labels["model"]
+                    for labels, _ in sc.samples(contract.REQUESTS_TOTAL.name)
+                    if labels["code"] not in ("200", "502", "503")
+                }
+
+            assert labelled_as("dense_unbatched") == {contract.MODEL_OVERFLOW}
+            r = httpx.post(f"{sc.base_url}/v2/repository/models/dense_unbatched/load", timeout=120)
+            assert r.status_code == 200, r.text
+            wait_for(lambda: "dense_unbatched" in labelled_as("dense_unbatched"), 20, "the new model's label")
     finally:
         for s in (server, restarted):
             if s is not None:
