@@ -356,3 +356,29 @@ def test_tracing_continues_the_client_trace_and_marks_exemplars(triton, tmp_path
     assert o["attributes"]["http.response.status_code"] == 200
     assert o["attributes"]["inferwatch.model"] == "ranker"
     assert o["attributes"]["inferwatch.model_version"] == "1"
+
+
+def test_expect_continue_and_head(triton, sidecar) -> None:
+    """``Expect: 100-continue`` is answered by the sidecar; a HEAD answer has no body and the
+    connection stays usable."""
+    body = json.dumps(
+        {"inputs": [{"name": "FEATURES", "shape": [1, 16, 32], "datatype": "FP32", "data": [0.5] * 512}]}
+    ).encode()
+    with socket.create_connection(("127.0.0.1", sidecar.http_port), timeout=10) as s:
+        s.sendall(
+            b"POST /v2/models/ranker/versions/1/infer HTTP/1.1\r\nHost: x\r\n"
+            b"Content-Type: application/json\r\nExpect: 100-continue\r\nContent-Length: %d\r\n\r\n"
+            % len(body)
+        )
+        assert s.recv(100) == b"HTTP/1.1 100 Continue\r\n\r\n"
+        s.sendall(body)
+        head = b""
+        while b"\r\n\r\n" not in head:
+            head += s.recv(65536)
+        assert head.startswith(b"HTTP/1.1 200 OK"), head
+    direct = httpx.head(f"http://{triton.http_url}/v2/health/ready")
+    with httpx.Client(base_url=sidecar.base_url) as client:
+        first = client.head("/v2/health/ready")
+        second = client.get("/v2/models/ranker/versions/1")
+    assert first.status_code == direct.status_code and first.content == b""
+    assert second.status_code == 200 and second.json()["name"] == "ranker"
