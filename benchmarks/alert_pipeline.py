@@ -32,13 +32,16 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--spec", type=Path, default=ROOT / "fleet.demo.yaml")
     parser.add_argument("--runs", type=int, default=1, help="incidents to play on one stack (default 1)")
-    parser.add_argument("--rate", type=float, default=24.0, help="steady request rate (default 24/s)")
+    parser.add_argument(
+        "--rate", type=float, default=Scenario().rate, help="steady request rate (default %(default)s/s)"
+    )
     parser.add_argument("--json", type=Path, default=None, help="also write every run's results here")
     args = parser.parse_args()
     configure(quiet=True)
 
     rows: list[dict] = []
     raw = []
+    stray = 0
     with tempfile.TemporaryDirectory(prefix="inferwatch-bench-") as tmp:
         config = StackConfig(
             spec_path=args.spec, state_dir=Path(tmp) / "stack", ports=free_ports(), gpu_backend="simulated"
@@ -50,6 +53,7 @@ def main() -> int:
                 print(f"run {run}/{args.runs} ...", file=sys.stderr, flush=True)
                 result = Demo(stack.info, spec, Scenario(rate=args.rate), threading.Event()).run()
                 raw.append(result.to_json())
+                stray += len(result.steady_pages) + len(result.unexpected_pages)
                 for f in result.faults:
                     rows.append(
                         {
@@ -67,7 +71,8 @@ def main() -> int:
     er, lat, gpu = spec.alerts.error_rate, spec.alerts.latency, spec.alerts.gpu_memory
     waits = "/".join(r.group_wait for r in (spec.routing.critical, spec.routing.warning, spec.routing.info))
     print(
-        f"Spec {args.spec.name}: scrape and evaluation every {spec.prometheus.evaluation_interval}; "
+        f"Spec {args.spec.name}: scrape every {spec.prometheus.scrape_interval}, evaluation every "
+        f"{spec.prometheus.evaluation_interval}; "
         f"errors > {er.threshold:.0%} in {er.consecutive_windows} x {er.window} windows; "
         f"P{lat.quantile * 100:g} > {lat.sla_factor:g} x SLA over {lat.window} for {lat.for_}; "
         f"GPU memory > {gpu.threshold:.0%} for {gpu.for_}; group_wait {waits} "
@@ -97,7 +102,8 @@ def main() -> int:
         )
     print(
         f"\nevaluation interval {duration_seconds(spec.prometheus.evaluation_interval):g}s; "
-        "'resolved after' is from clearing the fault to the resolved notification."
+        "'resolved after' is from clearing the fault to the resolved notification; "
+        f"pages no fault explains (steady phase included): {stray}."
     )
     if args.json:
         args.json.write_text(json.dumps(raw, indent=2))
