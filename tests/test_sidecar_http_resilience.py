@@ -165,8 +165,8 @@ def test_sigterm_mid_load_fails_no_accepted_request(triton, tmp_path: Path) -> N
 
 
 def test_request_timeout_and_client_disconnect(triton, tmp_path: Path) -> None:
-    """A slow upstream answer becomes a 504 at --request-timeout; a client that leaves cancels
-    its request at once (counted as 499, nothing left in flight)."""
+    """A slow upstream answer becomes a 504 at --request-timeout; past --max-in-flight the fixed
+    overload answer; a client that leaves cancels its request at once (499, nothing in flight)."""
     import socket
     import subprocess
 
@@ -179,9 +179,8 @@ def test_request_timeout_and_client_disconnect(triton, tmp_path: Path) -> None:
         b"POST /v2/models/ranker/versions/1/infer HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
         b"Content-Length: %d\r\n\r\n%b" % (len(body), body)
     )
-    with launch_sidecar(
-        triton.http_url, triton.grpc_url, tmp_path, "--grpc-port", "0", "--request-timeout", "1"
-    ) as sc:
+    args = ("--grpc-port", "0", "--request-timeout", "1", "--max-in-flight", "1")
+    with launch_sidecar(triton.http_url, triton.grpc_url, tmp_path, *args) as sc:
         subprocess.run(inferwatch_cmd(*fault), check=True, capture_output=True)
         try:
             started = time.monotonic()
@@ -197,6 +196,9 @@ def test_request_timeout_and_client_disconnect(triton, tmp_path: Path) -> None:
                     5,
                     "in flight",
                 )
+                # --max-in-flight 1: a second request meanwhile gets the fixed overload answer.
+                over = httpx.post(f"{sc.base_url}/v2/models/ranker/versions/1/infer", json=GOOD, timeout=10)
+                assert over.status_code == 503 and "overloaded" in over.json()["error"]
             left = time.monotonic()
             wait_for(
                 lambda: all(v == 0 for _, v in sc.samples(contract.REQUESTS_IN_FLIGHT.name)), 5, "cancel"
@@ -209,4 +211,8 @@ def test_request_timeout_and_client_disconnect(triton, tmp_path: Path) -> None:
             for labels, value in sc.samples(contract.REQUESTS_TOTAL.name)
             if labels["model"] == "ranker"
         }
-    assert counted == {("504", "server_error"): 1.0, ("499", "client_error"): 1.0}
+    assert counted == {
+        ("504", "server_error"): 1.0,
+        ("499", "client_error"): 1.0,
+        ("503", "server_error"): 1.0,
+    }
