@@ -104,3 +104,84 @@ def test_forwarded_bytes_and_hop_by_hop_headers() -> None:
     labels = {"model": contract.MODEL_OVERFLOW, "protocol": "http"}
     assert registry.get_sample_value(contract.REQUEST_BYTES.name, labels) == 6
     assert registry.get_sample_value(contract.RESPONSE_BYTES.name, labels) == len(b"hello, \x00\xffbin")
+
+
+BIG = 96 * 1024 * 1024
+
+
+async def backpressure() -> tuple[int, int, int, int]:
+    """(bytes the upstream could send while the client read nothing, bytes the client got,
+    bytes the client could send while the upstream read nothing, bytes the upstream got)."""
+    sent_down = 0
+    up_reading = asyncio.Event()
+    got_up = 0
+
+    async def upstream(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        nonlocal sent_down, got_up
+        head = await reader.readuntil(b"\r\n\r\n")
+        if head.startswith(b"GET"):
+            writer.write(b"HTTP/1.1 200 OK\r\nConnection: close\r\nContent-Length: %d\r\n\r\n" % BIG)
+            block = b"x" * (1 << 20)
+            for _ in range(BIG // len(block)):
+                writer.write(block)
+                await writer.drain()
+                sent_down += len(block)
+        else:
+            await up_reading.wait()  # not reading the body yet
+            while got_up < BIG:
+                got_up += len(await reader.read(1 << 20))
+            writer.write(b"HTTP/1.1 204 No Content\r\n\r\n")
+            await writer.drain()
+        await reader.read()
+
+    up = await asyncio.start_server(upstream, "127.0.0.1", 0)
+    config = SidecarConfig(
+        upstream_http=("127.0.0.1", up.sockets[0].getsockname()[1]), host="127.0.0.1", http_port=0
+    )
+    proxy = await serve(config, Telemetry(CollectorRegistry(), config))
+    try:
+        # Download: the client reads nothing for a while.
+        reader, writer = await asyncio.open_connection("127.0.0.1", proxy.port, limit=1 << 20)
+        writer.write(b"GET /big HTTP/1.1\r\nHost: x\r\n\r\n")
+        await asyncio.sleep(1.0)
+        stalled_down = sent_down
+        got = 0
+        await reader.readuntil(b"\r\n\r\n")
+        while got < BIG:
+            got += len(await reader.read(1 << 20))
+        writer.close()
+
+        # Upload: the upstream reads nothing for a while.
+        reader, writer = await asyncio.open_connection("127.0.0.1", proxy.port)
+        writer.write(b"POST /up HTTP/1.1\r\nHost: x\r\nContent-Length: %d\r\n\r\n" % BIG)
+        block = b"y" * (1 << 20)
+        sent_up = 0
+
+        async def push() -> None:
+            nonlocal sent_up
+            for _ in range(BIG // len(block)):
+                writer.write(block)
+                await writer.drain()
+                sent_up += len(block)
+
+        pusher = asyncio.create_task(push())
+        await asyncio.sleep(1.0)
+        stalled_up = sent_up
+        up_reading.set()
+        await pusher
+        status = await reader.readuntil(b"\r\n\r\n")
+        assert status.startswith(b"HTTP/1.1 204")
+        writer.close()
+    finally:
+        await proxy.stop(1)
+        up.close()
+    return stalled_down, got, stalled_up, got_up
+
+
+def test_backpressure_both_ways() -> None:
+    stalled_down, got_down, stalled_up, got_up = uvloop.run(backpressure())
+    # While one side does not read, the other can only fill socket buffers and the transport's
+    # high-water marks (about 12 MB here), not push the whole 96 MB through the sidecar's memory.
+    assert stalled_down < 32 * 1024 * 1024, stalled_down
+    assert stalled_up < 32 * 1024 * 1024, stalled_up
+    assert got_down == BIG and got_up == BIG
