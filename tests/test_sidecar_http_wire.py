@@ -1,8 +1,8 @@
 """The exact bytes the HTTP proxy forwards, in-process: a recording TCP peer stands upstream
 (Triton cannot show the headers it received) and the client speaks raw bytes. Hop-by-hop
 headers stop at the proxy in both directions (RFC 9110 7.6.1), Via is added, the client's
-traceparent is forwarded unchanged when tracing is off, and a chunked answer is re-framed
-with its body intact."""
+traceparent is forwarded unchanged when tracing is off, a chunked answer is re-framed with its
+body intact, and a side that stops reading stalls the other (backpressure both ways)."""
 
 from __future__ import annotations
 
