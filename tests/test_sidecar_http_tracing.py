@@ -1,6 +1,7 @@
-"""Triton joins the sidecar's trace: with Triton's OpenTelemetry tracing on (exporting OTLP/HTTP
-to a receiver in this test), the span Triton makes for an inference through the sidecar is a
-child of the sidecar's server span, in the client's trace."""
+"""Traces across real parts: with Triton's OpenTelemetry tracing on (exporting OTLP/HTTP to a
+receiver in this test), the span Triton makes for an inference through the sidecar is a child of
+the sidecar's server span, in the client's trace; and a real Prometheus stores the trace id as
+an exemplar of the sidecar's latency histogram."""
 
 from __future__ import annotations
 
@@ -110,3 +111,63 @@ def test_triton_span_is_a_child_of_the_sidecar_span(traced_triton, tmp_path: Pat
     assert sidecar_span["parent_id"] == "0x" + client_span
     # Triton's request span hangs under the sidecar's span, not under the client's.
     assert theirs[0]["parentSpanId"] == sidecar_span["context"]["span_id"].removeprefix("0x")
+
+
+def test_prometheus_stores_the_exemplars(triton, tmp_path: Path, processes) -> None:
+    """A real Prometheus (exemplar storage on) scraping the sidecar keeps the trace id of a
+    sampled request on the latency histogram, so a dashboard can jump from a slow bucket to
+    its trace."""
+    from inferwatch import contract
+    from tests.fixtures.net import wait_http
+
+    trace_id = "6bf92f3577b34da6a3ce929d0e0e4738"
+    with launch_sidecar(
+        triton.http_url,
+        triton.grpc_url,
+        tmp_path,
+        "--trace-sample-ratio",
+        "1",
+        "--grpc-port",
+        "0",
+        env={"OTEL_TRACES_EXPORTER": "none"},
+    ) as sc:
+        r = httpx.post(
+            f"{sc.base_url}/v2/models/ranker/versions/1/infer",
+            json=BODY,
+            headers={"traceparent": f"00-{trace_id}-20f067aa0ba902b9-01"},
+        )
+        assert r.status_code == 200
+        port = free_port()
+        target = sc.metrics_url.removeprefix("http://").removesuffix("/metrics")
+        config = tmp_path / "prometheus.yml"
+        config.write_text(
+            "global: {scrape_interval: 1s}\n"
+            f"scrape_configs:\n  - job_name: {contract.JOB_SIDECAR}\n"
+            f"    static_configs: [{{targets: ['{target}']}}]\n"
+        )
+        proc = processes.start(
+            "prometheus",
+            [
+                "prometheus",
+                f"--config.file={config}",
+                f"--storage.tsdb.path={tmp_path / 'data'}",
+                f"--web.listen-address=127.0.0.1:{port}",
+                "--enable-feature=exemplar-storage",
+            ],
+        )
+        wait_http(f"http://127.0.0.1:{port}/-/ready", timeout=60, proc=proc)
+        query = f'{contract.REQUEST_DURATION.name}_bucket{{model="ranker"}}'
+        deadline = time.monotonic() + 30
+        found: list[dict] = []
+        while time.monotonic() < deadline and not found:
+            now = time.time()
+            data = httpx.get(
+                f"http://127.0.0.1:{port}/api/v1/query_exemplars",
+                params={"query": query, "start": now - 300, "end": now + 60},
+                timeout=5,
+            ).json()["data"]
+            found = [
+                e for series in data for e in series["exemplars"] if e["labels"].get("trace_id") == trace_id
+            ]
+            time.sleep(0.5)
+    assert found, "Prometheus stored no exemplar with the request's trace id"
