@@ -81,12 +81,17 @@ def _text(buf: bytes, start: int, stop: int) -> str:
     return buf[start:stop].decode("utf-8", "replace")
 
 
-def read_strings(buf: bytes, first: int, second: int = 0, third: int = 0) -> tuple[str, str, str]:
+def read_strings(
+    buf: bytes, first: int, second: int = 0, third: int = 0, partial: bool = False
+) -> tuple[str, str, str]:
     """The string fields numbered ``first``, ``second`` and ``third`` ("" when absent or 0).
 
     Like protobuf parsers, the last occurrence of a repeated scalar wins, so the whole top
     level is walked; that costs one step per field, never per byte. This is the per-request
     hot path, so the walk is inlined (single-byte keys and lengths take the fast branch).
+
+    ``partial``: ``buf`` is only the first bytes of the message (the HTTP/2 relay reads the
+    head of each message): the walk stops quietly where the bytes end.
     """
     a = b = c = ""
     pos, end = 0, len(buf)
@@ -106,6 +111,8 @@ def read_strings(buf: bytes, first: int, second: int = 0, third: int = 0) -> tup
                     length, pos = _varint(buf, pos)
                 stop = pos + length
                 if stop > end:
+                    if partial:
+                        return a, b, c
                     raise WireError(f"field {key >> 3} runs past the end of the message")
                 number = key >> 3
                 if number == first:
@@ -125,9 +132,11 @@ def read_strings(buf: bytes, first: int, second: int = 0, third: int = 0) -> tup
                 raise WireError(f"unsupported wire type {wtype} (field {key >> 3})")
             if key >> 3 == 0:
                 raise WireError("field number 0")
-    except IndexError:
+    except (IndexError, WireError):
+        if partial:
+            return a, b, c
         raise WireError("truncated message") from None
-    if pos > end:
+    if pos > end and not partial:
         raise WireError("the last field runs past the end of the message")
     return a, b, c
 
@@ -146,12 +155,15 @@ def _is_final(buf: bytes, start: int, stop: int) -> bool | None:
     return flag if key_ok else None
 
 
-def stream_response_info(buf: bytes) -> tuple[str, str, str, bool | None]:
+def stream_response_info(buf: bytes, partial: bool = False) -> tuple[str, str, str, bool | None]:
     """(error_message, model_name, id, final) of a ``ModelStreamInferResponse``.
 
     ``final`` is Triton's ``triton_final_response`` parameter when the response carries it
-    (decoupled models asked for an empty final response), else None.
+    (decoupled models asked for an empty final response), else None. ``partial``: ``buf`` is
+    the head of the message; what lies past it reads as absent.
     """
+    if partial:
+        return _partial_response_info(buf)
     error = model = rid = ""
     final: bool | None = None
     for number, wtype, start, stop in _fields(buf, 0, len(buf)):
@@ -171,4 +183,52 @@ def stream_response_info(buf: bytes) -> tuple[str, str, str, bool | None]:
                     flag = _is_final(buf, s, e)
                     if flag is not None:
                         final = flag
+    return error, model, rid, final
+
+
+def _partial_response_info(buf: bytes) -> tuple[str, str, str, bool | None]:
+    """``stream_response_info`` of a message head: the nested response is read up to the
+    bytes available (its name and id come first), and a field cut by the end is dropped."""
+    error = model = rid = ""
+    final: bool | None = None
+    end = len(buf)
+    try:
+        pos = 0
+        while pos < end:
+            key, pos = _varint(buf, pos)
+            if key & 7 != _LEN:
+                break  # not a ModelStreamInferResponse field layout: stop
+            length, pos = _varint(buf, pos)
+            stop = pos + length
+            number = key >> 3
+            if number == _SR_ERROR:
+                if stop > end:
+                    break
+                error = _text(buf, pos, stop)
+            elif number == _SR_RESPONSE:
+                inner_end = min(stop, end)
+                ipos = pos
+                while ipos < inner_end:
+                    ikey, ipos = _varint(buf, ipos)
+                    if ikey & 7 != _LEN:
+                        break
+                    ilen, ipos = _varint(buf, ipos)
+                    istop = ipos + ilen
+                    if istop > inner_end:
+                        break
+                    n = ikey >> 3
+                    if n == _IR_MODEL:
+                        model = _text(buf, ipos, istop)
+                    elif n == _IR_ID:
+                        rid = _text(buf, ipos, istop)
+                    elif n == _IR_PARAMETERS:
+                        flag = _is_final(buf, ipos, istop)
+                        if flag is not None:
+                            final = flag
+                    elif n > _IR_PARAMETERS:
+                        break  # outputs and tensors follow: nothing more to read
+                    ipos = istop
+            pos = stop
+    except WireError:
+        pass
     return error, model, rid, final

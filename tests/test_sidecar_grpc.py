@@ -38,7 +38,8 @@ from inferwatch import contract
 from reference_server.catalog import MODELS, example_input
 from reference_server.launcher import TritonServer, find_binary, prepare_backends, triton_env
 from sidecar.config import SidecarConfig
-from sidecar.grpc_proxy import GrpcProxy
+from sidecar.grpc_proxy import ENGINES, GrpcProxy
+from sidecar.grpc_relay import GrpcRelay
 from sidecar.telemetry import UPSTREAM_GRPC, Telemetry
 from tests.fixtures.net import Processes, free_port, inferwatch_cmd, wait_http
 
@@ -68,11 +69,14 @@ class LoopThread:
 class InProcessProxy:
     """``GrpcProxy`` with a real ``Telemetry``, served from the shared event-loop thread."""
 
-    def __init__(self, loop: asyncio.AbstractEventLoop, upstream: str, tracer=None, **kwargs) -> None:
+    def __init__(
+        self, loop: asyncio.AbstractEventLoop, engine: str, upstream: str, tracer=None, **kwargs
+    ) -> None:
         self.registry = CollectorRegistry()
         self.telemetry = Telemetry(self.registry, SidecarConfig(), tracer)
         self.loop = loop
-        self.proxy = GrpcProxy(upstream, self.telemetry, **kwargs)
+        self.engine = engine
+        self.proxy = (GrpcRelay if engine == "relay" else GrpcProxy)(upstream, self.telemetry, **kwargs)
         self.url = f"127.0.0.1:{self.run(self.proxy.start('127.0.0.1', 0))}"
 
     def run(self, coro, timeout: float = 30.0):
@@ -173,9 +177,15 @@ def served(triton) -> dict[str, list[str]]:
     return out
 
 
+@pytest.fixture(params=ENGINES)
+def engine(request) -> str:
+    """Both engines of the gRPC side: the HTTP/2 frame relay and the grpc.aio proxy."""
+    return request.param
+
+
 @pytest.fixture
-def proxy(loop, triton, served) -> Iterator[InProcessProxy]:
-    p = InProcessProxy(loop, triton.grpc_url)
+def proxy(loop, engine, triton, served) -> Iterator[InProcessProxy]:
+    p = InProcessProxy(loop, engine, triton.grpc_url)
     p.serve_models(served)
     try:
         yield p
@@ -456,10 +466,10 @@ def test_stream_injected_errors_and_triton_grpc_error_metadata(triton, clients, 
 # --------------------------------------------------------------------------- deadlines, cancel
 
 
-def test_client_deadline_and_proxy_timeout(loop, triton, served) -> None:
+def test_client_deadline_and_proxy_timeout(loop, engine, triton, served) -> None:
     fault(triton.state_dir, "set", "--model", "ranker", "--version", "1", "--extra-latency-ms", "1500")
-    short = InProcessProxy(loop, triton.grpc_url, timeout_s=0.3)
-    long = InProcessProxy(loop, triton.grpc_url)
+    short = InProcessProxy(loop, engine, triton.grpc_url, timeout_s=0.3)
+    long = InProcessProxy(loop, engine, triton.grpc_url)
     try:
         short.serve_models(served)
         long.serve_models(served)
@@ -509,21 +519,24 @@ def test_client_cancel_is_counted_and_releases_the_request(triton, proxy) -> Non
         fault(triton.state_dir, "clear", "--model", "ranker")
 
 
-def test_message_size_limit(loop, triton, served) -> None:
-    small = InProcessProxy(loop, triton.grpc_url, max_message_bytes=64 * 1024)
+def test_message_size_limit(loop, engine, triton, served) -> None:
+    small = InProcessProxy(loop, engine, triton.grpc_url, max_message_bytes=64 * 1024)
     try:
         small.serve_models(served)
         client = tgrpc.InferenceServerClient(small.url)
         status, _ = error_of(client.infer, "dense_batched", infer_inputs("dense_batched", batch=8))
         assert status == "StatusCode.RESOURCE_EXHAUSTED"
+        if engine == "relay":  # the relay answers it itself and counts it; grpc.aio refuses it uncounted
+            assert small.count("dense_batched", "RESOURCE_EXHAUSTED", "server_error") == 1
         # The proxy is unharmed: a request under the limit passes.
         assert client.infer("ranker", infer_inputs("ranker")).as_numpy("SCORES") is not None
+        assert small.count("ranker", "OK", "success") == 1
     finally:
         small.close()
 
 
-def test_in_flight_limit_gives_the_fixed_overload_answer_and_counts_it(loop, triton, served) -> None:
-    limited = InProcessProxy(loop, triton.grpc_url, max_concurrent_rpcs=1)
+def test_in_flight_limit_gives_the_fixed_overload_answer_and_counts_it(loop, engine, triton, served) -> None:
+    limited = InProcessProxy(loop, engine, triton.grpc_url, max_concurrent_rpcs=1)
     fault(triton.state_dir, "set", "--model", "ranker", "--version", "1", "--extra-latency-ms", "1000")
     try:
         limited.serve_models(served)
@@ -547,9 +560,9 @@ def test_in_flight_limit_gives_the_fixed_overload_answer_and_counts_it(loop, tri
 # --------------------------------------------------------------------------- dead upstream
 
 
-def test_dead_upstream_is_unavailable_fast_counted_and_recovers(loop, processes, tmp_path) -> None:
+def test_dead_upstream_is_unavailable_fast_counted_and_recovers(loop, engine, processes, tmp_path) -> None:
     port = free_port()
-    p = InProcessProxy(loop, f"127.0.0.1:{port}", reconnect_backoff_max_s=0.5)
+    p = InProcessProxy(loop, engine, f"127.0.0.1:{port}", connect_timeout_s=0.5)
     try:
         client = tgrpc.InferenceServerClient(p.url)
         for _ in range(5):
@@ -605,7 +618,7 @@ class OtlpJsonReceiver:
         self.server.server_close()
 
 
-def test_trace_context_reaches_triton_through_the_proxy(loop, processes, tmp_path) -> None:
+def test_trace_context_reaches_triton_through_the_proxy(loop, engine, processes, tmp_path) -> None:
     """With tracing on, the proxy's server span continues the client's trace and is the parent of
     Triton's own span (Triton exports its spans over OTLP); the histogram exemplar carries the trace."""
     receiver = OtlpJsonReceiver()
@@ -622,7 +635,7 @@ def test_trace_context_reaches_triton_through_the_proxy(loop, processes, tmp_pat
     exporter = InMemorySpanExporter()
     provider = TracerProvider()
     provider.add_span_processor(SimpleSpanProcessor(exporter))
-    p = InProcessProxy(loop, server.grpc_url, tracer=provider.get_tracer("test"))
+    p = InProcessProxy(loop, engine, server.grpc_url, tracer=provider.get_tracer("test"))
     try:
         p.serve_models({"ranker": ["1", "2"]})
         client = tgrpc.InferenceServerClient(p.url)
@@ -648,7 +661,10 @@ def test_trace_context_reaches_triton_through_the_proxy(loop, processes, tmp_pat
         except AssertionError as exc:
             raise AssertionError(f"{exc}; spans received: {receiver.spans}") from None
         assert theirs["traceId"] == TRACEPARENT.split("-")[1]
-        assert theirs["parentSpanId"] == format(ours.context.span_id, "016x")
+        if engine == "aio":  # the proxy's span context goes upstream: Triton's span is its child
+            assert theirs["parentSpanId"] == format(ours.context.span_id, "016x")
+        else:  # the relay forwards the client's traceparent: both spans are the client's children
+            assert theirs["parentSpanId"] == TRACEPARENT.split("-")[2]
 
         text = generate_latest_openmetrics(p.registry).decode()
         assert f'trace_id="{TRACEPARENT.split("-")[1]}"' in text
