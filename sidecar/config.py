@@ -157,9 +157,14 @@ _FLAGS: list[tuple[str, str, str, object, str]] = [
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Add the sidecar's flags; defaults are resolved later so env variables can apply."""
-    for flag, dest, _kind, default, help_ in _FLAGS:
+    metavars = {"addr": "HOST:PORT", "port": "PORT", "port0": "PORT", "secs": "SECONDS", "int": "N"}
+    metavars |= {"ratio": "RATIO", "level": "LEVEL"}
+    for flag, dest, kind, default, help_ in _FLAGS:
         env = ENV_PREFIX + dest.upper()
-        parser.add_argument(flag, dest=dest, default=None, help=f"{help_} (env {env}; default {default})")
+        metavar = metavars.get(kind) or ("FILE" if dest == "spec" else "ADDRESS")
+        parser.add_argument(
+            flag, dest=dest, default=None, metavar=metavar, help=f"{help_} (env {env}; default {default})"
+        )
     parser.add_argument(
         "--sla",
         dest="sla",
