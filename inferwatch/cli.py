@@ -15,16 +15,27 @@ from collections.abc import Sequence
 
 from inferwatch import __version__
 
-# Components add themselves here, one line each, when their commands work.
-COMMAND_MODULES = [
-    "inferwatch.spec_cli",
-    "sidecar.main",
-    "reference_server.cli",
-    "dashboards.cli",
-    "exporters.cli",
-    "alert_rules.cli",
-    "inferwatch.stack.cli",
-]
+# Each top-level command and the module that registers it. Running one command imports
+# only its module: the sidecar and the exporter stay lean in memory, and a broken optional
+# component cannot break the others. ``--help`` imports them all; a test checks this map
+# against what the modules register.
+COMMANDS: dict[str, str] = {
+    "spec": "inferwatch.spec_cli",
+    "sidecar": "sidecar.main",
+    "triton": "reference_server.cli",
+    "fault": "reference_server.cli",
+    "load": "reference_server.cli",
+    "naive-server": "reference_server.cli",
+    "gpu-exporter": "exporters.cli",
+    "rules": "alert_rules.cli",
+    "pager": "alert_rules.cli",
+    "alerts": "alert_rules.cli",
+    "silence": "alert_rules.cli",
+    "dashboards": "dashboards.cli",
+    "up": "inferwatch.stack.cli",
+    "demo": "inferwatch.stack.cli",
+}
+COMMAND_MODULES = list(dict.fromkeys(COMMANDS.values()))
 
 EXIT_USAGE = 2
 
@@ -37,7 +48,8 @@ class CliError(Exception):
         self.code = code
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(command: str | None = None) -> argparse.ArgumentParser:
+    """The full parser, or with ``command`` one that registers only that command's module."""
     parser = argparse.ArgumentParser(
         prog="inferwatch",
         description=(
@@ -49,13 +61,15 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--version", action="version", version=f"inferwatch {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
-    for name in COMMAND_MODULES:
+    modules = [COMMANDS[command]] if command in COMMANDS else COMMAND_MODULES
+    for name in modules:
         importlib.import_module(name).register(sub)
     return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = build_parser()
+    argv = list(sys.argv[1:] if argv is None else argv)
+    parser = build_parser(argv[0] if argv else None)
     args = parser.parse_args(argv)
     if not getattr(args, "func", None):
         parser.print_help()
@@ -70,4 +84,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    # Under ``python -m inferwatch.cli`` this file is ``__main__``: run the imported module's
+    # main so that it catches the CliError class the components raise.
+    from inferwatch.cli import main as _main
+
+    sys.exit(_main())

@@ -37,3 +37,34 @@ def test_unknown_command_is_a_usage_error() -> None:
     proc = run("frobnicate")
     assert proc.returncode == 2
     assert "invalid choice" in proc.stderr
+
+
+def test_command_map_matches_what_the_modules_register() -> None:
+    """Running one command imports only its module, so the map must name every command."""
+    import argparse
+
+    from inferwatch.cli import COMMANDS, build_parser
+
+    parser = build_parser()
+    (sub,) = [a for a in parser._actions if isinstance(a, argparse._SubParsersAction)]
+    assert set(sub.choices) == set(COMMANDS)
+    for command, module in COMMANDS.items():
+        one = build_parser(command)
+        (one_sub,) = [a for a in one._actions if isinstance(a, argparse._SubParsersAction)]
+        assert command in one_sub.choices, f"{module} does not register {command!r}"
+
+
+def test_errors_are_one_line_under_python_dash_m(tmp_path) -> None:
+    import sys
+
+    for module in ("inferwatch", "inferwatch.cli"):
+        proc = subprocess.run(
+            [sys.executable, "-m", module, "rules", "build", "--spec", str(tmp_path / "missing.yaml")],
+            capture_output=True,
+            text=True,
+        )
+        assert proc.returncode == 2, proc.stderr
+        assert proc.stderr.strip().splitlines() == [
+            f"inferwatch: error: {tmp_path / 'missing.yaml'}: no such file "
+            "(pass the fleet spec with --spec, e.g. fleet.yaml)"
+        ]
