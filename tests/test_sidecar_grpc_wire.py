@@ -2,11 +2,25 @@
 
 from __future__ import annotations
 
+import struct
+
+import hpack
 import numpy as np
 import pytest
 from tritonclient.grpc import service_pb2 as pb
 
 from sidecar.grpc_proxy import UNARY_METHODS, forwarded_metadata, stream_error_code, with_traceparent
+from sidecar.grpc_relay import (
+    HEAD_BYTES,
+    HeaderReader,
+    HpackError,
+    _Scan,
+    _settings_without_table,
+    grpc_timeout_seconds,
+    grpc_timeout_value,
+    literal,
+    parse_block,
+)
 from sidecar.grpc_wire import WireError, read_strings, stream_response_info
 
 
@@ -180,3 +194,138 @@ def test_metadata_forwarding_drops_transport_headers_and_swaps_traceparent() -> 
     swapped = with_traceparent(forwarded, ours)
     assert [v for k, v in swapped if k == "traceparent"] == [ours]
     assert ("x-team", "search") in swapped and ("token-bin", b"\x00\x01") in swapped
+
+
+# --------------------------------------------------------------------------- the HTTP/2 relay's readers
+
+
+def stateless_block(headers: list[tuple[str, str]]) -> bytes:
+    """A header block as an encoder with its dynamic table switched off writes it (what the
+    relay's SETTINGS make both ends do)."""
+    encoder = hpack.Encoder()
+    encoder.header_table_size = 0
+    return encoder.encode(headers)
+
+
+REQUEST_HEADERS = [
+    (":method", "POST"),
+    (":scheme", "http"),
+    (":path", "/inference.GRPCInferenceService/ModelInfer"),
+    (":authority", "127.0.0.1:8011"),
+    ("te", "trailers"),
+    ("content-type", "application/grpc"),
+    ("grpc-timeout", "2500m"),
+    ("traceparent", "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"),
+]
+
+
+def test_stateless_header_blocks_parse_with_editable_spans() -> None:
+    block = stateless_block(REQUEST_HEADERS)
+    fields = parse_block(block)
+    assert [(n.decode(), v.decode()) for n, v, _, _ in fields] == REQUEST_HEADERS
+    # Dropping one field's span and appending a literal still decodes, and changes nothing else.
+    (start, stop) = next((s, e) for n, _, s, e in fields if n == b"grpc-timeout")
+    edited = block[:start] + block[stop:] + literal(b"grpc-timeout", b"300m")
+    decoded = [(bytes(n).decode(), bytes(v).decode()) for n, v in hpack.Decoder().decode(edited, raw=True)]
+    assert decoded == [h for h in REQUEST_HEADERS if h[0] != "grpc-timeout"] + [("grpc-timeout", "300m")]
+
+
+def test_huffman_coded_strings_are_decoded() -> None:
+    encoder = hpack.Encoder()
+    encoder.header_table_size = 0
+    block = encoder.encode([("grpc-status", "14"), ("grpc-message", "upstream unavailable")], huffman=True)
+    assert [(n, v) for n, v, _, _ in parse_block(block)] == [
+        (b"grpc-status", b"14"),
+        (b"grpc-message", b"upstream unavailable"),
+    ]
+
+
+def test_blocks_that_use_the_dynamic_table_are_refused() -> None:
+    encoder = hpack.Encoder()
+    encoder.encode(REQUEST_HEADERS)  # fills the dynamic table
+    with pytest.raises(HpackError):
+        parse_block(encoder.encode(REQUEST_HEADERS))  # now refers to it
+    with pytest.raises(HpackError):
+        parse_block(b"\x3f\xe1\x1f")  # dynamic table size update to 4096
+    with pytest.raises(HpackError):
+        parse_block(b"\x40\x0agrpc")  # truncated literal
+
+
+def test_header_reader_follows_a_peer_until_its_table_is_off() -> None:
+    """Before the peer applies our SETTINGS its blocks use the dynamic table: hpack's decoder
+    follows them; the block carrying the size update to 0 switches the reader to stateless."""
+    encoder = hpack.Encoder()
+    reader = HeaderReader()
+    first = reader.read(encoder.encode(REQUEST_HEADERS))
+    assert [(n.decode(), v.decode()) for n, v, _, _ in first] == REQUEST_HEADERS
+    assert not reader.stateless
+    encoder.header_table_size = 0  # the peer acknowledged SETTINGS_HEADER_TABLE_SIZE = 0
+    second = reader.read(encoder.encode(REQUEST_HEADERS))
+    assert [(n.decode(), v.decode()) for n, v, _, _ in second] == REQUEST_HEADERS
+    assert reader.stateless
+    third = reader.read(encoder.encode(REQUEST_HEADERS))
+    assert third[2][:2] == (b":path", b"/inference.GRPCInferenceService/ModelInfer")
+
+
+def test_settings_are_rewritten_to_switch_the_table_off() -> None:
+    payload = struct.pack(">HIHI", 1, 4096, 4, 65535)  # HEADER_TABLE_SIZE 4096, INITIAL_WINDOW_SIZE
+    assert _settings_without_table(payload) == struct.pack(">HIHI", 4, 65535, 1, 0)
+    assert _settings_without_table(b"") == struct.pack(">HI", 1, 0)
+
+
+@pytest.mark.parametrize(
+    ("value", "seconds"),
+    [
+        (b"2500m", 2.5),
+        (b"3S", 3.0),
+        (b"1H", 3600.0),
+        (b"100u", 1e-4),
+        (b"5n", 5e-9),
+        (b"x", None),
+        (b"12", None),
+    ],
+)
+def test_grpc_timeout_values(value: bytes, seconds: float | None) -> None:
+    assert grpc_timeout_seconds(value) == (pytest.approx(seconds) if seconds else None)
+
+
+def test_grpc_timeout_is_written_in_the_finest_unit_that_fits() -> None:
+    assert grpc_timeout_value(0.3) == b"300m"
+    assert grpc_timeout_seconds(grpc_timeout_value(60.0)) == 60.0
+    assert len(grpc_timeout_value(10**7)) <= 9  # the gRPC spec allows at most 8 digits
+
+
+def test_message_heads_are_found_across_any_split_of_the_stream() -> None:
+    """gRPC messages (5-byte prefix + body) cut at every possible place still yield each head once."""
+    bodies = [
+        infer_request("ranker", "1", "a"),
+        infer_request("dense_batched", "", "b", tensor_bytes=4096),
+        b"",
+    ]
+    stream = b"".join(b"\x00" + len(b).to_bytes(4, "big") + b for b in bodies)
+    for cut in range(1, len(stream)):
+        scan, heads = _Scan(), []
+        scan.feed(stream[:cut], heads)
+        scan.feed(stream[cut:], heads)
+        assert [h[0] for h in heads] == [len(b) for b in bodies]
+        labels = [read_strings(h[1], 1, 2, 3, partial=True) for h in heads[:2]]
+        assert labels == [("ranker", "1", "a"), ("dense_batched", "", "b")]
+    assert len(heads[1][1]) == HEAD_BYTES  # only the head of a long message is kept
+
+
+def test_partial_reads_stop_quietly_at_the_cut() -> None:
+    data = infer_request("ranker", "2", "r-1")
+    assert read_strings(data[:10], 1, 2, 3, partial=True) == ("ranker", "", "")  # version cut
+    assert read_strings(data[:3], 1, 2, 3, partial=True) == ("", "", "")
+    resp = pb.ModelStreamInferResponse()
+    resp.infer_response.model_name = "ranker"
+    resp.infer_response.id = "r-9"
+    resp.infer_response.raw_output_contents.append(b"\x01" * 4096)
+    head = resp.SerializeToString()[:64]
+    assert stream_response_info(head, partial=True) == ("", "ranker", "r-9", None)
+    err = pb.ModelStreamInferResponse(error_message="Request for unknown model: 'x' is not found")
+    err.infer_response.id = "r-10"
+    assert stream_response_info(err.SerializeToString(), partial=True)[::2] == (
+        "Request for unknown model: 'x' is not found",
+        "r-10",
+    )
