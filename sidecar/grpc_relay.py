@@ -81,6 +81,8 @@ _HTTP_UNAVAILABLE = frozenset({429, 502, 503, 504})
 _STATIC = hpack.table.HeaderTable.STATIC_TABLE  # RFC 7541 Appendix A, 1-based in the protocol
 _PATH, _STATUS = b":path", b":status"
 _TIMEOUT, _GRPC_STATUS, _TRACEPARENT = b"grpc-timeout", b"grpc-status", b"traceparent"
+_REQUEST_FIELDS = frozenset({_PATH, _TIMEOUT, _TRACEPARENT})
+_RESPONSE_FIELDS = frozenset({_STATUS, _GRPC_STATUS})
 _TIMEOUT_UNITS = {
     ord("H"): 3600.0,
     ord("M"): 60.0,
@@ -89,6 +91,9 @@ _TIMEOUT_UNITS = {
     ord("u"): 1e-6,
     ord("n"): 1e-9,
 }
+
+# Span name and attributes per method path, built once.
+_SPANS: dict[str, tuple[str, dict[str, str]]] = {}
 
 # Method kinds.
 _UNARY, _STREAM, _OTHER = 0, 1, 2
@@ -127,36 +132,53 @@ def _string(buf: bytes, pos: int) -> tuple[bytes, int]:
     return (hpack.huffman_table.decode_huffman(raw) if huffman else raw), end
 
 
-def parse_block(block: bytes) -> list[tuple[bytes, bytes, int, int]]:
+def parse_block(block: bytes, wanted: frozenset[bytes] | None = None) -> list[tuple[bytes, bytes, int, int]]:
     """(name, value, start, end) of each field of a header block that uses no dynamic table.
 
-    Raises HpackError on a reference to the dynamic table or a table size above 0.
+    With ``wanted``, only those fields are returned (the others are stepped over without
+    decoding their values). Raises HpackError on a reference to the dynamic table or a table
+    size above 0.
     """
     out = []
     pos, end = 0, len(block)
+    static = _STATIC
     try:
         while pos < end:
             start = pos
             b = block[pos]
             if b & 0x80:  # indexed field
-                index, pos = _int(block, pos, 7)
-                if not 0 < index <= len(_STATIC):
+                index = b & 0x7F
+                pos += 1
+                if not 0 < index <= len(static):
                     raise HpackError(f"dynamic table index {index}")
-                name, value = _STATIC[index - 1]
-            elif b & 0xE0 == 0x20:  # dynamic table size update
+                name, value = static[index - 1]
+                if wanted is None or name in wanted:
+                    out.append((name, value, start, pos))
+                continue
+            if b & 0xE0 == 0x20:  # dynamic table size update
                 size, pos = _int(block, pos, 5)
                 if size:
                     raise HpackError("dynamic table switched on")
                 continue
-            else:  # literal: with incremental indexing (01), without (0000) or never indexed (0001)
-                index, pos = _int(block, pos, 6 if b & 0x40 else 4)
-                if index:
-                    if index > len(_STATIC):
-                        raise HpackError(f"dynamic table index {index}")
-                    name = _STATIC[index - 1][0]
-                else:
-                    name, pos = _string(block, pos)
-                value, pos = _string(block, pos)
+            # Literal: with incremental indexing (01), without (0000) or never indexed (0001).
+            index, pos = _int(block, pos, 6 if b & 0x40 else 4)
+            if index:
+                if index > len(static):
+                    raise HpackError(f"dynamic table index {index}")
+                name = static[index - 1][0]
+            elif block[pos] < 0x7F:  # short raw name: the common case, read in place
+                n = block[pos]
+                name = bytes(block[pos + 1 : pos + 1 + n])
+                pos += 1 + n
+            else:
+                name, pos = _string(block, pos)
+            if wanted is not None and name not in wanted:
+                vlen, pos = _int(block, pos, 7)
+                pos += vlen
+                if pos > end:
+                    raise HpackError("string past the end of the block")
+                continue
+            value, pos = _string(block, pos)
             out.append((name, value, start, pos))
     except IndexError:
         raise HpackError("truncated header block") from None
@@ -226,12 +248,14 @@ class HeaderReader:
         self.full: hpack.Decoder | None = hpack.Decoder()
         self.stateless = False
 
-    def read(self, block: bytes) -> list[tuple[bytes, bytes, int, int]] | None:
-        """Fields with spans when stateless (editable), else fields with no spans (None spans)."""
+    def read(self, block: bytes, wanted: frozenset[bytes]) -> list[tuple[bytes, bytes, int, int]]:
+        """The ``wanted`` fields, with their spans when stateless (editable), else spans of -1."""
         if self.stateless:
-            return parse_block(block)
+            return parse_block(block, wanted)
         assert self.full is not None
-        fields = [(bytes(n), bytes(v), -1, -1) for n, v in self.full.decode(block, raw=True)]
+        fields = [
+            (bytes(n), bytes(v), -1, -1) for n, v in self.full.decode(block, raw=True) if bytes(n) in wanted
+        ]
         if self.full.header_table.maxsize == 0 and not self.full.header_table.dynamic_entries:
             self.stateless, self.full = True, None
         return fields
@@ -319,7 +343,12 @@ class _Stream:
         self.kind = kind
         self.fields = fields
         self.traceparent = traceparent
-        self.span = span_attributes(path)
+        span = _SPANS.get(path)
+        if span is None:
+            span = span_attributes(path)
+            if len(_SPANS) < 256:  # bounded: clients choose paths
+                _SPANS[path] = span
+        self.span = span
         self.obs: Any = None
         self.req_bytes = 0
         self.resp_bytes = 0
@@ -629,7 +658,7 @@ class _Conn:
         block = b"".join(fragments)
         original = b"".join(raws)
         try:
-            fields = self.c_hdr.read(block)
+            fields = self.c_hdr.read(block, _REQUEST_FIELDS)
         except (HpackError, hpack.HPACKError) as exc:
             log.warning("unreadable header block from a client", extra={"fields": {"error": str(exc)}})
             fields = []
@@ -908,7 +937,10 @@ class _Conn:
         self.u_block = None
         original = b"".join(raws)
         try:
-            fields = self.u_hdr.read(b"".join(fragments))
+            if self.u_hdr.stateless and not first_flags & END_STREAM:
+                fields = []  # response headers: nothing needed, and no table to follow
+            else:
+                fields = self.u_hdr.read(b"".join(fragments), _RESPONSE_FIELDS)
         except (HpackError, hpack.HPACKError) as exc:
             log.warning("unreadable header block from the upstream", extra={"fields": {"error": str(exc)}})
             fields = []

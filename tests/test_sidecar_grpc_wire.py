@@ -230,6 +230,15 @@ def test_stateless_header_blocks_parse_with_editable_spans() -> None:
     assert decoded == [h for h in REQUEST_HEADERS if h[0] != "grpc-timeout"] + [("grpc-timeout", "300m")]
 
 
+def test_only_wanted_fields_are_returned() -> None:
+    block = stateless_block(REQUEST_HEADERS)
+    fields = parse_block(block, frozenset({b":path", b"traceparent"}))
+    assert [f[:2] for f in fields] == [
+        (b":path", b"/inference.GRPCInferenceService/ModelInfer"),
+        (b"traceparent", b"00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"),
+    ]
+
+
 def test_huffman_coded_strings_are_decoded() -> None:
     encoder = hpack.Encoder()
     encoder.header_table_size = 0
@@ -256,15 +265,19 @@ def test_header_reader_follows_a_peer_until_its_table_is_off() -> None:
     follows them; the block carrying the size update to 0 switches the reader to stateless."""
     encoder = hpack.Encoder()
     reader = HeaderReader()
-    first = reader.read(encoder.encode(REQUEST_HEADERS))
+    every = frozenset(n.encode() for n, _ in REQUEST_HEADERS)
+    first = reader.read(encoder.encode(REQUEST_HEADERS), every)
     assert [(n.decode(), v.decode()) for n, v, _, _ in first] == REQUEST_HEADERS
     assert not reader.stateless
     encoder.header_table_size = 0  # the peer acknowledged SETTINGS_HEADER_TABLE_SIZE = 0
-    second = reader.read(encoder.encode(REQUEST_HEADERS))
+    second = reader.read(encoder.encode(REQUEST_HEADERS), every)
     assert [(n.decode(), v.decode()) for n, v, _, _ in second] == REQUEST_HEADERS
     assert reader.stateless
-    third = reader.read(encoder.encode(REQUEST_HEADERS))
-    assert third[2][:2] == (b":path", b"/inference.GRPCInferenceService/ModelInfer")
+    third = reader.read(encoder.encode(REQUEST_HEADERS), frozenset({b":path", b"grpc-timeout"}))
+    assert [f[:2] for f in third] == [
+        (b":path", b"/inference.GRPCInferenceService/ModelInfer"),
+        (b"grpc-timeout", b"2500m"),
+    ]
 
 
 def test_settings_are_rewritten_to_switch_the_table_off() -> None:
