@@ -1,76 +1,101 @@
-"""The whole mission on one machine: ``inferwatch up`` runs the real Triton, sidecar, GPU
-exporter, Prometheus, Alertmanager and pager; the demo's scenario injects one fault per
-alert tier; each must produce exactly its page, nothing may page while traffic is healthy,
-recovery must send resolved notifications, and after SIGTERM no process may be left."""
+"""The whole mission on one machine, as a user runs it: ``inferwatch up`` starts the real
+Triton, sidecar, GPU exporter, Prometheus, Alertmanager and pager; ``inferwatch demo``
+plays its incident on that stack. Each fault must produce exactly its page, nothing may
+page while traffic is healthy, recovery must send resolved notifications, and after
+SIGTERM to ``inferwatch up`` no process may be left."""
 
 from __future__ import annotations
 
+import json
 import socket
-import threading
+import subprocess
+from pathlib import Path
 
 import pytest
 
 from alert_rules.links import runbook_url
 from inferwatch import contract
-from inferwatch.demo import TRAFFIC_MIX, Demo, Scenario
+from inferwatch.demo import TRAFFIC_MIX
 from inferwatch.spec import duration_seconds
 from inferwatch.stack.supervisor import alive
+from tests.fixtures.net import ROOT, inferwatch_cmd
 from tests.fixtures.stack import UpStack
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(720)]
 
+# (alert, the labels its page must carry): one fault per tier, as the demo injects them.
+EXPECTED = {
+    contract.ALERT_HIGH_ERROR_RATE: {contract.L_MODEL: "dense_unbatched", contract.L_VERSION: "1"},
+    contract.ALERT_HIGH_P99_LATENCY: {contract.L_MODEL: "ranker", contract.L_VERSION: "2"},
+    contract.ALERT_GPU_MEMORY_PRESSURE: {contract.L_GPU: "0"},
+}
 
-def test_each_fault_pages_once_and_resolves_and_the_stop_leaves_nothing(local_stack: UpStack) -> None:
+
+def test_each_fault_pages_once_and_resolves_and_the_stop_leaves_nothing(
+    local_stack: UpStack, tmp_path: Path
+) -> None:
     info = local_stack.info
     spec = info.spec()
     eval_s = duration_seconds(spec.prometheus.evaluation_interval)
-    processes = local_stack.snapshot()
     # inferwatch up, 6 components, tritonserver and its Python backend stubs at least.
-    assert len(processes) >= 9, processes
+    assert len(local_stack.snapshot()) >= 9
 
-    result = Demo(info, spec, Scenario(), threading.Event()).run()
+    out = tmp_path / "demo.json"
+    demo = subprocess.run(
+        inferwatch_cmd("demo", "--state-dir", str(info.state_dir), "--json", str(out)),
+        capture_output=True,
+        text=True,
+        timeout=600,
+        cwd=ROOT,
+    )
     local_stack.snapshot()
+    assert demo.returncode == 0, demo.stdout[-4000:] + demo.stderr[-2000:]
+    assert "using the running stack" in demo.stderr  # it played on up's stack, started none
+    assert "fault → page: detection delay against the theoretical minimum" in demo.stdout
+    assert "every fault paged and resolved" in demo.stdout
+    result = json.loads(out.read_text())
 
-    assert not result.aborted, result.aborted
-    assert result.traffic["sent"] > 0
-    assert set(result.traffic["by_target"]) == {f"{m}:{v}" for m, v, _w in TRAFFIC_MIX}
-    assert result.steady_pages == [], [p.describe() for p in result.steady_pages]
+    assert result["ok"] and result["problems"] == []
+    assert result["traffic"]["sent"] > 0
+    assert set(result["traffic"]["by_target"]) == {f"{m}:{v}" for m, v, _w in TRAFFIC_MIX}
+    assert result["steady_pages"] == [], result["steady_pages"]
     # Pages no fault explains: on a machine shared with other work, CPU contention can truly
     # push a model's P99 over twice its SLA; that warning is the rules doing their job. Any
     # other page (a critical or info one, another alert) would be a wiring bug.
-    for page in result.unexpected_pages:
-        assert (page.alertname, page.severity) == (
+    for page in result["unexpected_pages"]:
+        assert (page["alertname"], page["severity"]) == (
             contract.ALERT_HIGH_P99_LATENCY,
             contract.SEVERITY_WARNING,
-        ), page.describe()
-        print(f"note: latency warning outside the faults (CPU contention): {page.describe()}")
+        ), page
+        print(f"note: latency warning outside the faults (CPU contention): {page['labels']}")
 
-    for fault in result.faults:
-        pages = [p for p in result.pages if fault.matches(p)]
-        assert len(pages) == 1, (fault.title, [p.describe() for p in pages])
-        page = pages[0]
-        assert page is fault.page
-        assert page.alertname == fault.alertname
-        assert page.severity == contract.TIERED_ALERTS[fault.alertname] == fault.severity
-        for label, value in fault.match.items():
-            assert page.labels[label] == value, (fault.title, label)
-        assert page.annotations["runbook_url"] == runbook_url(spec, fault.alertname)
-        assert page.annotations.get("summary")
+    faults = {f["alertname"]: f for f in result["faults"]}
+    assert set(faults) == set(EXPECTED)
+    for alertname, labels in EXPECTED.items():
+        fault = faults[alertname]
+        mine = [
+            p
+            for p in result["pages"]
+            if p["alertname"] == alertname and all(p["labels"].get(k) == v for k, v in labels.items())
+        ]
+        assert len(mine) == 1, (alertname, mine)
+        page = mine[0]
+        assert page == fault["page"]
+        assert page["severity"] == contract.TIERED_ALERTS[alertname]
+        assert page["labels"]["severity"] == page["severity"]
+        for label, value in labels.items():
+            assert page["labels"][label] == value
+        assert page["annotations"]["runbook_url"] == runbook_url(spec, alertname)
+        assert page["annotations"].get("summary")
         # Never earlier than the rule allows: its condition time and group wait (the
         # evaluation interval in the minimum is alignment that may be zero).
-        assert fault.delay_s is not None
-        assert fault.delay_s >= fault.minimum_s - eval_s, (fault.title, fault.delay_s, fault.minimum_s)
+        assert fault["delay_s"] >= fault["minimum_s"] - eval_s, fault
         # Resolved after recovery, and nothing in between: one firing notification, one resolved.
-        assert page.status == "resolved", (fault.title, page.status)
-        assert fault.cleared_at is not None and fault.resolved_at is not None
-        assert fault.resolved_at > fault.cleared_at
-        assert page.notifications == 2, (fault.title, page.notifications)
+        assert page["status"] == "resolved"
+        assert fault["resolved_at"] > fault["cleared_at"] > fault["page_at"] > fault["injected_at"]
+        assert page["notifications"] == 2, page
 
-    assert len(result.pages) == len(result.faults) + len(result.unexpected_pages)
-
-    # The model labels on the pages are those the sidecar saw, per version (canary apart).
-    latency = next(f for f in result.faults if f.alertname == contract.ALERT_HIGH_P99_LATENCY)
-    assert latency.page.labels[contract.L_VERSION] == "2"
+    assert len(result["pages"]) == len(EXPECTED) + len(result["unexpected_pages"])
 
     # SIGTERM to inferwatch up: a clean exit, and every process it ever ran is gone.
     assert local_stack.stop() == 0, local_stack.output_text()[-3000:]
