@@ -53,6 +53,9 @@ def test_generated_configs_pass_promtool_and_amtool(tmp_path: Path) -> None:
         f"127.0.0.1:{ports['alertmanager']}"
     ]
 
+    # The stack keeps the spec it was generated from (the sidecar and the demo read it).
+    assert (state / "spec.yaml").read_text() == DEMO_SPEC.read_text()
+
     # Every receiver delivers to this stack's pager, with the token the pager is started with.
     token_file = state / "pager.token"
     assert stat.S_IMODE(token_file.stat().st_mode) == 0o600

@@ -9,6 +9,7 @@ ever sent to something that is not listening yet.
 
 from __future__ import annotations
 
+import argparse
 import errno
 import json
 import os
@@ -28,6 +29,7 @@ from inferwatch.stack.log import log
 from inferwatch.stack.supervisor import Component, ProcId, Running, Supervisor, alive
 
 STACK_FILE = "stack.json"
+SPEC_COPY = "spec.yaml"  # the spec the running stack was generated from
 # Subcommands of the other components that the stack runs.
 COMPONENT_COMMANDS = ("triton", "sidecar", "gpu-exporter", "pager")
 BINARIES = {"prometheus": "prometheus", "prometheus-alertmanager": "prometheus-alertmanager"}
@@ -98,8 +100,13 @@ class StackInfo:
         """The state dir Triton reads its faults from."""
         return self.state_dir
 
+    @property
+    def spec_in_use(self) -> Path:
+        """The copy of the spec the stack was started with (the original may change since)."""
+        return self.state_dir / SPEC_COPY
+
     def spec(self) -> FleetSpec:
-        return load_spec(self.spec_path)
+        return load_spec(self.spec_in_use if self.spec_in_use.exists() else self.spec_path)
 
     def to_json(self) -> dict:
         return {
@@ -185,9 +192,9 @@ def _port_taken(host: str, port: int) -> bool:
 def _registered_commands() -> set[str]:
     from inferwatch.cli import build_parser
 
-    parser = build_parser()
-    for action in parser._subparsers._group_actions if parser._subparsers else ():
-        return set(getattr(action, "choices", {}) or {})
+    for action in build_parser()._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            return set(action.choices)
     return set()
 
 
@@ -256,6 +263,10 @@ class Stack:
         from alert_rules import generate
 
         spec, c, d = self.spec, self.config, self._dir
+        # Everything of this stack (rules, routes, the sidecar's SLAs, the demo's timings)
+        # reads one copy, so editing the original while the stack runs changes nothing.
+        d.mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(c.spec_path, d / SPEC_COPY)
         token_file = d / "pager.token"
         cfg.pager_token(token_file)
         gen_dir = d / "generated"
@@ -305,7 +316,7 @@ class Stack:
                     "--upstream-http", f"{h}:{p['triton_http']}",
                     "--upstream-grpc", f"{h}:{p['triton_grpc']}",
                     "--http-port", str(p["sidecar_http"]), "--grpc-port", str(p["sidecar_grpc"]),
-                    "--metrics-port", str(p["sidecar_metrics"]), "--spec", str(c.spec_path),
+                    "--metrics-port", str(p["sidecar_metrics"]), "--spec", str(d / SPEC_COPY),
                 ],
                 url("sidecar_metrics", "/readyz"), logs / "sidecar.log", env, t,
                 url=f"{url('sidecar_http')} (HTTP), {h}:{p['sidecar_grpc']} (gRPC)",
