@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import faulthandler
+import gc
 import importlib.util
 import json
 import logging
@@ -349,6 +350,10 @@ async def run(config: cfg.SidecarConfig) -> int:
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
     metrics.status = {"proxies": [name for name, _ in servers]}
+    # Everything built so far lives as long as the process: keep the collector from walking it
+    # (a full collection of these ~40k objects costs ~12 ms, a tail-latency spike mid-request).
+    gc.collect()
+    gc.freeze()
     metrics.ready = True
     log.info(
         "sidecar started",
