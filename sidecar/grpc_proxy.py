@@ -1,6 +1,8 @@
-"""The gRPC half of the sidecar: a transparent proxy for ``inference.GRPCInferenceService``.
+"""The gRPC half of the sidecar: ``serve()``, the method table, and the grpc.aio engine.
 
-Every method is forwarded as raw bytes (grpc.aio generic handlers with no (de)serializers), so
+``serve()`` starts the HTTP/2 frame relay (``sidecar.grpc_relay``, the default engine) or this
+module's grpc.aio proxy (``config.grpc_engine == "aio"``); both follow the contract below. In
+the grpc.aio engine, every method is forwarded as raw bytes (grpc.aio generic handlers with no (de)serializers), so
 tensors are never decoded or copied into Python objects. The only parsing is the request's
 model name and version (see ``grpc_wire``). Status codes, details, trailing metadata and the
 client's metadata (``traceparent`` included) pass through; the client's deadline is propagated
