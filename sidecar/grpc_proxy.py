@@ -2,11 +2,12 @@
 
 ``serve()`` starts the HTTP/2 frame relay (``sidecar.grpc_relay``, the default engine) or this
 module's grpc.aio proxy (``config.grpc_engine == "aio"``); both follow the contract below. In
-the grpc.aio engine, every method is forwarded as raw bytes (grpc.aio generic handlers with no (de)serializers), so
-tensors are never decoded or copied into Python objects. The only parsing is the request's
-model name and version (see ``grpc_wire``). Status codes, details, trailing metadata and the
-client's metadata (``traceparent`` included) pass through; the client's deadline is propagated
-and capped by the per-request timeout; a client that cancels cancels the upstream call.
+the grpc.aio engine, every method is forwarded as raw bytes (generic handlers with no
+(de)serializers), so tensors are never decoded or copied into Python objects. The only
+parsing is the request's model name and version (see ``grpc_wire``). Status codes, details,
+trailing metadata and the client's metadata (``traceparent`` included) pass through; the
+client's deadline is propagated and capped by the per-request timeout; a client that cancels
+cancels the upstream call.
 
 Counting (one observation per request, each closed by exactly one ``Telemetry.end``):
 - unary methods: one observation per call, its code the call's status code;
