@@ -457,6 +457,7 @@ class _Conn:
         if self.waiting:
             transport.write(b"".join(self.waiting))
             self.waiting.clear()
+        self.client.resume_reading()  # paused if the client sent a lot while we connected
 
     def _go_local(self) -> None:
         """Answer this client ourselves: a minimal HTTP/2 server that fails every call fast.
@@ -478,7 +479,7 @@ class _Conn:
             self._release(st)
             st.dropped = True
             if st.obs is not None or (st.pending and st.kind == _STREAM):
-                self._finish(st, "UNAVAILABLE", 0)
+                self._finish(st, "UNAVAILABLE")
                 self._write_answer(sid, 14, message)
                 del self.streams[sid]
             else:
@@ -495,7 +496,7 @@ class _Conn:
         for sid, st in list(self.streams.items()):
             if not st.dropped:
                 self._release(st)
-                self._finish(st, "UNAVAILABLE", 0)
+                self._finish(st, "UNAVAILABLE")
                 trailers = _trailers(14, "inferwatch sidecar: upstream connection lost", not st.headers_out)
                 out.append(frame(HEADERS, END_HEADERS | END_STREAM, sid, trailers))
         self.streams.clear()
@@ -509,7 +510,7 @@ class _Conn:
         for st in self.streams.values():
             if not st.dropped:
                 self._release(st)
-                self._finish(st, self._gone_code(st), 0)
+                self._finish(st, self._gone_code(st))
         self.streams.clear()
         if self.up is not None:
             self.closing = True
@@ -541,7 +542,7 @@ class _Conn:
         name, attrs = st.span
         return self.tel.begin(model, version, PROTOCOL_GRPC, st.traceparent, name, attrs)
 
-    def _finish(self, st: _Stream, code: str, status_bytes: int) -> None:
+    def _finish(self, st: _Stream, code: str) -> None:
         """Close the call's observations with ``code``."""
         outcome = self.relay.outcome(code)
         if st.kind == _STREAM:
@@ -581,7 +582,7 @@ class _Conn:
             ftype, flags = buf[pos + 3], buf[pos + 4]
             sid = int.from_bytes(buf[pos + 5 : pos + 9], "big") & 0x7FFFFFFF
             replace: bytes | None = None
-            if sid in self.refused and ftype != HEADERS:
+            if sid in self.refused:
                 replace = b""  # a call the relay answered: nothing of it goes upstream
                 if ftype == DATA and stop > pos + 9:
                     self._write_client(frame(WINDOW_UPDATE, 0, 0, (stop - pos - 9).to_bytes(4, "big")))
@@ -610,7 +611,7 @@ class _Conn:
                 st = self.streams.pop(sid, None)
                 if st is not None and not st.dropped:
                     self._release(st)
-                    self._finish(st, self._gone_code(st), 0)
+                    self._finish(st, self._gone_code(st))
                 if self.local or (st is not None and st.dropped):
                     replace = b""
             elif self.local:
@@ -765,7 +766,7 @@ class _Conn:
             st.pending.setdefault("", collections.deque()).append((self._begin(st, model, version), 0))
         elif st.obs is None:
             st.obs = self._begin(st, model, version)
-        self._finish(st, "RESOURCE_EXHAUSTED", 0)
+        self._finish(st, "RESOURCE_EXHAUSTED")
         message = f"inferwatch sidecar: message larger than {self.relay.max_message} bytes"
         self._write_client(
             frame(HEADERS, END_HEADERS | END_STREAM, sid, _trailers(8, message, not st.headers_out))
@@ -879,7 +880,7 @@ class _Conn:
                             else "INTERNAL"
                         )
                         self._release(st)
-                        self._finish(st, code, 0)
+                        self._finish(st, code)
             if replace is not None:
                 if run < pos:
                     out.append(bytes(buf[run:pos]))
@@ -974,7 +975,7 @@ class _Conn:
     def _close(self, sid: int, st: _Stream, code: str) -> None:
         self.streams.pop(sid, None)
         self._release(st)
-        self._finish(st, code, 0)
+        self._finish(st, code)
 
 
 class GrpcRelay:

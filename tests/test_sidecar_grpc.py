@@ -14,6 +14,7 @@ import http.server
 import json
 import queue
 import signal
+import socket
 import subprocess
 import threading
 import time
@@ -369,6 +370,61 @@ def test_methods_outside_the_service_pass_through(triton, proxy) -> None:
     # UNIMPLEMENTED from Triton; INTERNAL when grpc's client loses that race (module docstring).
     assert code in ("UNIMPLEMENTED", "INTERNAL")
     assert proxy.count("", code, Telemetry.outcome_for_grpc(code)) == 1
+
+
+def test_concurrent_calls_on_shared_connections_are_each_counted_once(clients, proxy) -> None:
+    """Calls from several threads multiplex on the same HTTP/2 connections: every answer is
+    right for its own request and every call is counted once, under its own labels."""
+    _direct, via = clients
+    expected = {
+        ("ranker", "1"): outputs_of(
+            clients[0].infer("ranker", infer_inputs("ranker", seed=1), model_version="1"), "ranker"
+        ),
+        ("ranker", "2"): outputs_of(
+            clients[0].infer("ranker", infer_inputs("ranker", seed=2), model_version="2"), "ranker"
+        ),
+    }
+    failures: list[str] = []
+
+    def worker(n: int) -> None:
+        for i in range(15):
+            version = "1" if (n + i) % 2 else "2"
+            try:
+                if i % 5 == 4:
+                    error_of(via.infer, "no_such_model", infer_inputs("ranker"))
+                    continue
+                got = via.infer("ranker", infer_inputs("ranker", seed=int(version)), model_version=version)
+                if outputs_of(got, "ranker").tobytes() != expected[("ranker", version)].tobytes():
+                    failures.append(f"thread {n} call {i}: wrong answer")
+            except Exception as exc:  # collected: the assertion below names it
+                failures.append(f"thread {n} call {i}: {exc!r}")
+
+    threads = [threading.Thread(target=worker, args=(n,)) for n in range(6)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    assert not failures, failures[:5]
+    wait_for(lambda: proxy.in_flight() == 0, what="nothing in flight")
+    counts = proxy.counts()
+    assert counts[("ranker", "1", "OK", "success")] == counts[("ranker", "2", "OK", "success")] == 36
+    assert counts[(contract.MODEL_OVERFLOW, "", "NOT_FOUND", "client_error")] == 18
+    assert sum(counts.values()) == 90
+
+
+def test_bytes_that_are_not_http2_close_the_connection_and_harm_nothing(proxy) -> None:
+    host, port = proxy.url.rsplit(":", 1)
+    with socket.create_connection((host, int(port)), timeout=10) as sock:
+        sock.sendall(b"GET /v2/health/ready HTTP/1.1\r\nHost: x\r\n\r\n" + b"\x00" * 64)
+        sock.settimeout(10)
+        try:
+            while sock.recv(4096):  # the server may send its own preface first; then it closes
+                pass
+        except ConnectionResetError:
+            pass
+    client = tgrpc.InferenceServerClient(proxy.url)
+    assert client.is_server_live()
+    assert sum(proxy.counts().values()) == 1
 
 
 # --------------------------------------------------------------------------- streaming
