@@ -63,6 +63,8 @@ class SidecarConfig:
     # Tracing: off at 0; OTLP export itself follows the standard OTEL_* variables.
     trace_sample_ratio: float = 0.0
     log_level: str = "info"
+    # gRPC proxy engine (sidecar.grpc_proxy.serve): the HTTP/2 frame relay or grpc.aio.
+    grpc_engine: str = "relay"
 
     def latency_sla_seconds(self, model: str) -> float:
         """The model's SLA: the ``--sla`` override, else the spec's (which falls back to its default)."""
@@ -152,13 +154,20 @@ _FLAGS: list[tuple[str, str, str, object, str]] = [
         "fraction of new traces sampled (0 = tracing off); OTLP via OTEL_* variables",
     ),
     ("--log-level", "log_level", "level", _D.log_level, "debug, info, warning or error"),
+    (
+        "--grpc-engine",
+        "grpc_engine",
+        "engine",
+        _D.grpc_engine,
+        "gRPC proxy engine: relay (HTTP/2 frames) or aio",
+    ),
 ]
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Add the sidecar's flags; defaults are resolved later so env variables can apply."""
     metavars = {"addr": "HOST:PORT", "port": "PORT", "port0": "PORT", "secs": "SECONDS", "int": "N"}
-    metavars |= {"ratio": "RATIO", "level": "LEVEL"}
+    metavars |= {"ratio": "RATIO", "level": "LEVEL", "engine": "ENGINE"}
     for flag, dest, kind, default, help_ in _FLAGS:
         env = ENV_PREFIX + dest.upper()
         metavar = metavars.get(kind) or ("FILE" if dest == "spec" else "ADDRESS")
@@ -226,7 +235,14 @@ def _level(text: str) -> str:
     return text.lower()
 
 
+def _engine(text: str) -> str:
+    if text not in ("relay", "aio"):
+        raise ValueError(f"{text!r} is not one of relay, aio")
+    return text
+
+
 _PARSE = {
+    "engine": _engine,
     "addr": _addr,
     "str": str,
     "port": _port,
