@@ -19,7 +19,8 @@ Usage (one command; about 7 minutes at the defaults):
     .venv/bin/python benchmarks/sidecar_overhead.py [--duration 8] [--rates 200 500 1000]
         [--repeat 3] [--json out.json]
 
-The machine is shared and noisy: read the ratios measured side by side in one run.
+Needs wrk and nginx (`scripts/bootstrap --bench` installs them). The machine is shared and
+noisy: read the ratios measured side by side in one run.
 """
 
 from __future__ import annotations
@@ -172,7 +173,7 @@ def main() -> int:
     for tool in ("wrk", "nginx"):
         if not shutil.which(tool) and not Path(f"/usr/sbin/{tool}").exists():
             print(
-                f"sidecar_overhead: error: {tool} is not installed (scripts/bootstrap installs it)",
+                f"sidecar_overhead: error: {tool} is not installed (scripts/bootstrap --bench installs it)",
                 file=sys.stderr,
             )
             return 1
