@@ -132,12 +132,16 @@ class LiveReporter:
             alert_table.add_row("(none)", "", "", "")
 
         pages = Table(title="pages received (inferwatch pager)", title_justify="left", expand=True)
-        for col in ("at", "status", "severity", "alert", "labels"):
+        for col in ("paged", "resolved", "severity", "alert", "labels"):
             pages.add_column(col)
+        t0 = demo.result.started_at
         for p in demo.result.pages[-8:]:
             pages.add_row(
-                f"t+{p.received_at - demo.result.started_at:.1f}s",
-                Text(p.status, style=STATE_STYLE.get(p.status, "")),
+                Text(
+                    f"t+{p.received_at - t0:.1f}s",
+                    style=STATE_STYLE["firing"] if p.resolved_at is None else "",
+                ),
+                Text(f"t+{p.resolved_at - t0:.1f}s", style=STATE_STYLE["resolved"]) if p.resolved_at else "",
                 Text(p.severity, style=SEVERITY_STYLE.get(p.severity, "")),
                 p.alertname,
                 p.ident(),
