@@ -43,8 +43,9 @@ log = logging.getLogger("inferwatch.sidecar")
 LEAN_ENV = "INFERWATCH_SIDECAR_LEAN"
 # Wait at least this long between two index reads triggered by unknown model names.
 MISS_REFRESH_MIN_INTERVAL = 5.0
-# While the upstream is down, probe it this often.
+# While the upstream is down, probe it this often; while up, this often between index reads.
 DOWN_PROBE_INTERVAL = 1.0
+UP_PROBE_INTERVAL = 5.0
 
 
 class JsonFormatter(logging.Formatter):
@@ -256,55 +257,82 @@ def _dechunk(data: bytes) -> bytes:
     return b"".join(out)
 
 
+async def _read_index(config: cfg.SidecarConfig, telemetry: Any) -> tuple[bool, str]:
+    """Read the upstream's ready models into telemetry; (reachable, error text)."""
+    host, port = config.upstream_http
+    try:
+        status, data = await fetch_repository_index(host, port, config.connect_timeout + 5.0)
+    except (OSError, TimeoutError) as exc:
+        return False, str(exc) or type(exc).__name__
+    if status == 200 and isinstance(data, list):
+        served: dict[str, list[str]] = {}
+        for entry in data:
+            if isinstance(entry, dict) and isinstance(entry.get("name"), str):
+                served.setdefault(entry["name"], [])
+                if entry.get("version"):
+                    served[entry["name"]].append(str(entry["version"]))
+        telemetry.update_models(served)
+        return True, ""
+    if status in (404, 405, 501) or (status and status < 500 and data is None):
+        telemetry.update_models(None, supported=False)  # not a KServe server: no index
+        return True, ""
+    return 0 < status < 500, f"HTTP {status}"
+
+
+async def _probe(config: cfg.SidecarConfig) -> tuple[bool, str]:
+    """Whether the upstream accepts a TCP connection."""
+    host, port = config.upstream_http
+    try:
+        _, writer = await asyncio.wait_for(asyncio.open_connection(host, port), config.connect_timeout)
+    except (OSError, TimeoutError) as exc:
+        return False, str(exc) or type(exc).__name__
+    writer.close()
+    return True, ""
+
+
 async def refresh_models(
     config: cfg.SidecarConfig, telemetry: Any, wake: asyncio.Event, first: asyncio.Event
 ) -> None:
-    """Keep telemetry's served-model set equal to the upstream's repository index; ``first``
-    is set after the first attempt, so the sidecar turns ready knowing the models."""
+    """Keep telemetry's served-model set equal to the upstream's repository index and
+    ``upstream_up`` current even without traffic; ``first`` is set after the first attempt,
+    so the sidecar turns ready knowing the models.
+
+    The index is read every ``--model-refresh-interval``, when the upstream comes back, and at
+    most ``MISS_REFRESH_MIN_INTERVAL`` after a request named an unknown model (``wake``);
+    between reads a TCP connect every ``UP_PROBE_INTERVAL`` (``DOWN_PROBE_INTERVAL`` while
+    down) keeps the gauge honest when no request is flowing.
+    """
     from sidecar.telemetry import UPSTREAM_HTTP
 
-    host, port = config.upstream_http
+    loop = asyncio.get_running_loop()
+    where = "{}:{}".format(*config.upstream_http)
     up: bool | None = None
+    last_index = -1e9
     while True:
-        wake.clear()
-        try:
-            status, data = await fetch_repository_index(host, port, config.connect_timeout + 5.0)
-            now_up = True
-            if status == 200 and isinstance(data, list):
-                served: dict[str, list[str]] = {}
-                for entry in data:
-                    if isinstance(entry, dict) and isinstance(entry.get("name"), str):
-                        served.setdefault(entry["name"], [])
-                        if entry.get("version"):
-                            served[entry["name"]].append(str(entry["version"]))
-                telemetry.update_models(served)
-            elif status in (404, 405, 501) or (status and status < 500 and data is None):
-                telemetry.update_models(None, supported=False)
-            else:
-                now_up = status < 500
-            err = f"HTTP {status}"
-        except (OSError, TimeoutError) as exc:
-            now_up = False
-            err = str(exc) or type(exc).__name__
+        now = loop.time()
+        if up is not True or wake.is_set() or now - last_index >= config.model_refresh_interval:
+            wake.clear()
+            now_up, err = await _read_index(config, telemetry)
+            last_index = now
+        else:
+            now_up, err = await _probe(config)
+        telemetry.set_upstream_up(UPSTREAM_HTTP, now_up)  # the proxy sets it too, from its connects
         if now_up != up:
-            telemetry.set_upstream_up(UPSTREAM_HTTP, now_up)
-            fields = {"upstream": f"{host}:{port}"}
             if now_up:
-                log.info("upstream reachable", extra={"fields": fields})
+                log.info("upstream reachable", extra={"fields": {"upstream": where}})
             else:
-                log.warning("upstream unreachable", extra={"fields": {**fields, "error": err}})
+                log.warning("upstream unreachable", extra={"fields": {"upstream": where, "error": err}})
             up = now_up
         first.set()
         if not now_up:
             await asyncio.sleep(DOWN_PROBE_INTERVAL)
             continue
-        await asyncio.sleep(MISS_REFRESH_MIN_INTERVAL)
         try:
-            await asyncio.wait_for(
-                wake.wait(), max(0.0, config.model_refresh_interval - MISS_REFRESH_MIN_INTERVAL)
-            )
+            await asyncio.wait_for(wake.wait(), UP_PROBE_INTERVAL)
         except TimeoutError:
             pass
+        if wake.is_set():  # an unknown model: read the index, but not more often than this
+            await asyncio.sleep(max(0.0, last_index + MISS_REFRESH_MIN_INTERVAL - loop.time()))
 
 
 async def run(config: cfg.SidecarConfig) -> int:

@@ -125,6 +125,10 @@ def test_upstream_killed_mid_load_then_back(tmp_path: Path) -> None:
             r = httpx.post(f"{sc.base_url}/v2/repository/models/dense_unbatched/load", timeout=120)
             assert r.status_code == 200, r.text
             wait_for(lambda: "dense_unbatched" in labelled_as("dense_unbatched"), 20, "the new model's label")
+
+            # With no traffic at all, the sidecar's own probe notices the upstream going away.
+            restarted.stop()
+            wait_for(lambda: upstream_up(sc) == 0, 10, "upstream_up to drop to 0 without traffic")
     finally:
         for s in (server, restarted):
             if s is not None:
