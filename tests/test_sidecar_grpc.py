@@ -695,6 +695,12 @@ def test_trace_context_reaches_triton_through_the_proxy(loop, engine, processes,
     try:
         p.serve_models({"ranker": ["1", "2"]})
         client = tgrpc.InferenceServerClient(p.url)
+        assert client.is_server_live()
+        # A call in Triton's first second sometimes started a new trace in Triton although the
+        # header block it received was byte for byte the one of passing runs (logged while
+        # investigating); after a pause it always joined. So the traced call waits for that.
+        time.sleep(1.5)
+        exporter.clear()
         client.infer(
             "ranker", infer_inputs("ranker"), model_version="1", headers={"traceparent": TRACEPARENT}
         )
