@@ -70,6 +70,9 @@ PRIORITY_FLAG = 0x20
 # Error codes.
 NO_ERROR, PROTOCOL_ERROR, CANCEL, REFUSED_STREAM = 0x0, 0x1, 0x8, 0x7
 SETTINGS_HEADER_TABLE_SIZE = 1
+MAX_STREAM_ID = 0x7FFFFFFF
+# Seconds a connection stays open after the relay's own GOAWAY (the client closes it sooner).
+LINGER_S = 2.0
 # Seconds between TCP probes of the upstream while it is up / down.
 PROBE_UP_S, PROBE_DOWN_S = 5.0, 0.5
 # Bytes of each gRPC message read for its fields (names and ids come first).
@@ -430,6 +433,7 @@ class _Conn:
         self.goaway_sid: int | None = None  # set once we told the client to go away
         self.refused: set[int] = set()  # calls answered by the relay: their later frames are dropped
         self.unacked_settings = 0  # client SETTINGS read before the upstream turned out unreachable
+        self.lingering = False  # our first GOAWAY went out; the connection closes soon
         relay.conns.add(self)
         sock = client.get_extra_info("socket")
         if sock is not None:
@@ -502,11 +506,12 @@ class _Conn:
                 trailers = _trailers(14, "inferwatch sidecar: upstream connection lost", not st.headers_out)
                 out.append(frame(HEADERS, END_HEADERS | END_STREAM, sid, trailers))
         self.streams.clear()
-        if not self.client.is_closing():
-            out.append(frame(GOAWAY, 0, 0, struct.pack(">II", self.last_sid, NO_ERROR)))
-            self.client.write(b"".join(out))
-            self.client.close()
-        self.relay.conns.discard(self)
+        # From here the relay answers this client itself: calls it already sent are answered
+        # UNAVAILABLE (counted), later ones are refused by GOAWAY and retried elsewhere.
+        self.local = True
+        if out:
+            self._write_client(b"".join(out))
+        self._goaway_and_linger()
 
     def client_lost(self) -> None:
         for st in self.streams.values():
@@ -520,12 +525,16 @@ class _Conn:
         self.connect_task.cancel()
         self.relay.conns.discard(self)
 
-    def goaway(self) -> None:
-        """Graceful stop: tell the client no new calls are taken here; later ones are refused
-        (REFUSED_STREAM: never processed, so the client may retry them elsewhere)."""
-        self.goaway_sid = self.last_sid
+    def goaway(self, final: bool) -> None:
+        """Graceful shutdown in two steps (RFC 9113 6.8). First a GOAWAY naming the highest
+        possible stream: the client opens no new calls here, and a call it sent before reading
+        it is still taken and answered. Then (``final``) the real last stream: anything later is
+        refused (REFUSED_STREAM: never processed, so the client may retry it elsewhere)."""
+        if final:
+            self.goaway_sid = self.last_sid
         if not self.client.is_closing():
-            self.client.write(frame(GOAWAY, 0, 0, struct.pack(">II", self.last_sid, NO_ERROR)))
+            last = self.last_sid if final else MAX_STREAM_ID
+            self.client.write(frame(GOAWAY, 0, 0, struct.pack(">II", last, NO_ERROR)))
 
     # ---------------------------------------------------------------- observations
     def _gone_code(self, st: _Stream) -> str:
@@ -829,10 +838,23 @@ class _Conn:
     def _close_if_local_done(self) -> None:
         """Without an upstream, a connection lives until its calls are answered: then GOAWAY and
         close, so the client's next call reconnects and tries the upstream again."""
-        if self.local and not self.streams and self.last_sid and not self.client.is_closing():
-            self.goaway_sid = self.last_sid
-            self._write_client(frame(GOAWAY, 0, 0, struct.pack(">II", self.last_sid, NO_ERROR)))
+        if self.local and not self.streams and self.last_sid:
+            self._goaway_and_linger()  # answered everything: let the next call reconnect
+
+    def _goaway_and_linger(self) -> None:
+        """The two-step GOAWAY, keeping the connection a moment: calls the client sent before it
+        read the first GOAWAY are still answered (and counted) rather than lost to a closed
+        connection; the client's next calls open a new connection."""
+        if self.lingering or self.client.is_closing():
+            return
+        self.lingering = True
+        self.goaway(final=False)
+
+        def finish() -> None:
+            self.goaway(final=True)
             self.client.close()
+
+        asyncio.get_running_loop().call_later(LINGER_S, finish)
 
     # ---------------------------------------------------------------- upstream -> client
     def from_upstream(self, data: bytes) -> None:
@@ -1037,9 +1059,13 @@ class GrpcRelay:
         """Stop accepting, send GOAWAY, let calls in flight finish for up to ``grace`` seconds."""
         if self._server is not None:
             self._server.close()
-        for conn in list(self.conns):
-            conn.goaway()
         deadline = time.monotonic() + (grace or 0)
+        for conn in list(self.conns):
+            conn.goaway(final=False)
+        # One round trip for calls already on their way, then the real last stream.
+        await asyncio.sleep(min(0.2, grace or 0))
+        for conn in list(self.conns):
+            conn.goaway(final=True)
         while any(c.streams for c in self.conns) and time.monotonic() < deadline:
             await asyncio.sleep(0.02)
         for conn in list(self.conns):
