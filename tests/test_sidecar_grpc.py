@@ -523,7 +523,7 @@ def test_stream_injected_errors_and_triton_grpc_error_metadata(triton, clients, 
 
 
 def test_client_deadline_and_proxy_timeout(loop, engine, triton, served) -> None:
-    fault(triton.state_dir, "set", "--model", "ranker", "--version", "1", "--extra-latency-ms", "1500")
+    fault(triton.state_dir, "set", "--model", "ranker", "--version", "1", "--extra-latency-ms", "4000")
     short = InProcessProxy(loop, engine, triton.grpc_url, timeout_s=0.3)
     long = InProcessProxy(loop, engine, triton.grpc_url)
     try:
@@ -539,13 +539,13 @@ def test_client_deadline_and_proxy_timeout(loop, engine, triton, served) -> None
             model_version="1",
             client_timeout=0.3,
         )
-        assert status == "StatusCode.DEADLINE_EXCEEDED" and time.monotonic() - started < 1.2
+        assert status == "StatusCode.DEADLINE_EXCEEDED" and time.monotonic() - started < 3.0
         # No client deadline: the proxy's per-request timeout ends the call.
         started = time.monotonic()
         status, _ = error_of(
             tgrpc.InferenceServerClient(short.url).infer, "ranker", inputs, model_version="1"
         )
-        assert status == "StatusCode.DEADLINE_EXCEEDED" and time.monotonic() - started < 1.2
+        assert status == "StatusCode.DEADLINE_EXCEEDED" and time.monotonic() - started < 3.0
     finally:
         fault(triton.state_dir, "clear", "--model", "ranker")
     for p in (short, long):
@@ -567,7 +567,7 @@ def test_client_cancel_is_counted_and_releases_the_request(triton, proxy) -> Non
             future.cancel()
             wait_for(
                 lambda: proxy.count("ranker", "CANCELLED", "client_error", "1") == 1,
-                timeout=1.0,
+                timeout=5.0,
                 what="cancel",
             )
         assert proxy.in_flight() == 0
@@ -593,18 +593,17 @@ def test_message_size_limit(loop, engine, triton, served) -> None:
 
 def test_in_flight_limit_gives_the_fixed_overload_answer_and_counts_it(loop, engine, triton, served) -> None:
     limited = InProcessProxy(loop, engine, triton.grpc_url, max_concurrent_rpcs=1)
-    fault(triton.state_dir, "set", "--model", "ranker", "--version", "1", "--extra-latency-ms", "1000")
+    fault(triton.state_dir, "set", "--model", "ranker", "--version", "1", "--extra-latency-ms", "3000")
     try:
         limited.serve_models(served)
         with grpc.insecure_channel(limited.url) as channel:
             infer = channel.unary_unary(SERVICE + "ModelInfer")
             first = infer.future(raw_infer_request("ranker", "1"), timeout=30)
             wait_for(lambda: limited.in_flight() == 1, what="one call in flight")
-            started = time.monotonic()
             with pytest.raises(grpc.RpcError) as info:
                 infer(raw_infer_request("ranker", "2"), timeout=30)
             assert info.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
-            assert time.monotonic() - started < 0.5
+            assert not first.done()  # refused while the accepted call was still running
             assert first.result(timeout=30)  # the accepted call is unharmed
         assert limited.count("ranker", "RESOURCE_EXHAUSTED", "server_error", "2") == 1
         assert limited.count("ranker", "OK", "success", "1") == 1
@@ -624,7 +623,7 @@ def test_dead_upstream_is_unavailable_fast_counted_and_recovers(loop, engine, pr
         for _ in range(5):
             started = time.monotonic()
             status, _ = error_of(client.is_server_ready, client_timeout=10)
-            assert status == "StatusCode.UNAVAILABLE" and time.monotonic() - started < 0.5
+            assert status == "StatusCode.UNAVAILABLE" and time.monotonic() - started < 2.0  # not 10
         assert p.count("", "UNAVAILABLE", "server_error") == 5
         wait_for(lambda: p.upstream_up() == 0, what="upstream_up 0")
 
