@@ -434,6 +434,7 @@ class _Conn:
         self.refused: set[int] = set()  # calls answered by the relay: their later frames are dropped
         self.unacked_settings = 0  # client SETTINGS read before the upstream turned out unreachable
         self.lingering = False  # our first GOAWAY went out; the connection closes soon
+        self.upstream_last: int | None = None  # the upstream's GOAWAY: it takes no later call
         relay.conns.add(self)
         sock = client.get_extra_info("socket")
         if sock is not None:
@@ -701,7 +702,7 @@ class _Conn:
             # After our GOAWAY: never processed, not counted; the client retries it elsewhere.
             self._write_client(frame(RST_STREAM, 0, sid, REFUSED_STREAM.to_bytes(4, "big")))
             return b""
-        if self.local:
+        if self.local or (self.upstream_last is not None and self.c_hdr.stateless):
             self._withhold(sid, st, 14, self._unavailable_message(), first_flags)
             return b""
         if self.c_hdr.stateless and relay.limit and relay.active >= relay.limit:
@@ -889,6 +890,8 @@ class _Conn:
             elif ftype == SETTINGS:
                 if not flags & ACK:
                     replace = frame(SETTINGS, 0, 0, _settings_without_table(bytes(buf[pos + 9 : stop])))
+            elif ftype == GOAWAY and length >= 8:
+                replace = self._upstream_goaway(bytes(buf[pos + 9 : stop]))
             elif ftype == RST_STREAM:
                 st = self.streams.pop(sid, None)
                 if st is not None:
@@ -917,6 +920,24 @@ class _Conn:
         del buf[:pos]
         if out:
             self._write_client(b"".join(out))
+
+    def _upstream_goaway(self, payload: bytes) -> bytes:
+        """The upstream is shutting down. Calls past its last stream will not be processed: they
+        are answered UNAVAILABLE here and counted, and the client is told that every call it
+        sent may be answered (GOAWAY with the highest id), so what it saw and what was counted
+        stay equal (a forwarded last id would make it retry those calls unseen by the metrics)."""
+        last = int.from_bytes(payload[:4], "big") & MAX_STREAM_ID
+        out = []
+        for sid, st in list(self.streams.items()):
+            if sid > last and not st.dropped:
+                self._release(st)
+                self._finish(st, "UNAVAILABLE")
+                st.dropped = True  # the upstream's later frames for it are dropped
+                trailers = _trailers(14, "inferwatch sidecar: upstream shutting down", not st.headers_out)
+                out.append(frame(HEADERS, END_HEADERS | END_STREAM, sid, trailers))
+        self.upstream_last = last  # later calls are answered by the relay itself
+        out.append(frame(GOAWAY, 0, 0, MAX_STREAM_ID.to_bytes(4, "big") + payload[4:]))
+        return b"".join(out)
 
     def _upstream_data(self, st: _Stream, flags: int, buf: bytearray, start: int, stop: int) -> None:
         if st.scan_out is None:

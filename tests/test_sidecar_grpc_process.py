@@ -149,7 +149,9 @@ def test_sigterm_drains_grpc_calls_in_flight(triton, tmp_path) -> None:
         fault(triton.state_dir, "clear", "--model", "ranker")
 
 
-def test_upstream_killed_mid_load_no_hang_all_counted_and_recovers(processes, tmp_path) -> None:
+@pytest.mark.parametrize("how", ["SIGKILL", "SIGTERM"])
+def test_upstream_killed_mid_load_no_hang_all_counted_and_recovers(how: str, processes, tmp_path) -> None:
+    """SIGKILL: the upstream vanishes; SIGTERM: it drains and says GOAWAY (a rolling restart)."""
     server = SmallTriton(processes, tmp_path / "triton").start()
     with launch_sidecar(
         server.http_url,
@@ -184,7 +186,10 @@ def test_upstream_killed_mid_load_no_hang_all_counted_and_recovers(processes, tm
             w.start()
         try:
             wait_for(lambda: seen["OK"] >= 20, timeout=30, what="traffic flowing")
-            server.kill()
+            if how == "SIGKILL":
+                server.kill()
+            else:
+                server.stop()  # Triton finishes what it has, then exits
             wait_for(lambda: seen["UNAVAILABLE"] >= 20, timeout=10, what="fast UNAVAILABLE answers")
             assert grpc_up(sc) == 0
             ok_before = seen["OK"]
