@@ -38,7 +38,7 @@ class ModelInfo:
     max_batch_size: int
     dynamic_batching: bool
     description: str
-    compute: str = ""  # dense models: "float32" or "int4-streaming" (see model.py)
+    compute: str = ""  # dense models: "float32" or "int4-streaming" (see reference_models.py)
 
     @property
     def input(self) -> Tensor:

@@ -3,7 +3,7 @@
 A fault is a small JSON file under ``<state dir>/faults/``: ``<model>.json`` applies to every
 version of a model, ``<model>@<version>.json`` to one version and wins over the model-wide
 file. Each model stats its two files before every execution and re-reads one only when it
-changed (``reference_server/model_repository/*/1/model.py``), so a change applies to the very
+changed (``reference_server/model_repository/reference_models.py``), so a change applies to the very
 next request from any client. Files are replaced atomically, so a model never reads half of one.
 
 An injected error makes the model's ``execute`` raise: Triton counts the request as failed

@@ -32,17 +32,22 @@ log = logging.getLogger("inferwatch.naive")
 
 
 def _model_py():
-    """model.py of the repository, imported as a plain module (without Triton), so the naive
+    """The repository's model code, imported as a plain module (without Triton), so the naive
     server computes with exactly the same weights and compute paths as the Triton models."""
     import importlib.util
     import types
 
     sys.modules.setdefault("triton_python_backend_utils", types.ModuleType("triton_python_backend_utils"))
-    path = catalog.MODEL_REPOSITORY / "dense_batched" / "1" / "model.py"
+    path = catalog.MODEL_REPOSITORY / "reference_models.py"
     spec = importlib.util.spec_from_file_location("reference_model_py", path)
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
+    # No __pycache__ in the model repository: Triton would take that folder for a model.
+    before, sys.dont_write_bytecode = sys.dont_write_bytecode, True
+    try:
+        spec.loader.exec_module(module)
+    finally:
+        sys.dont_write_bytecode = before
     return module
 
 

@@ -211,8 +211,8 @@ def test_fault_injection_reaches_the_triton_container(compose_model: dict) -> No
     faults_dir = triton["environment"]["INFERWATCH_FAULTS_DIR"]
     assert binds(triton)[faults_dir] == ROOT / "state" / "faults"
     assert binds(triton)["/models"] == ROOT / "reference_server" / "model_repository"
-    model_py = next((ROOT / "reference_server" / "model_repository").glob("*/1/model.py")).read_text()
-    assert "INFERWATCH_FAULTS_DIR" in model_py
+    models_py = (ROOT / "reference_server" / "model_repository" / "reference_models.py").read_text()
+    assert "INFERWATCH_FAULTS_DIR" in models_py
 
 
 def test_prometheus_scrapes_the_compose_services_under_the_contract_jobs(compose_model: dict) -> None:

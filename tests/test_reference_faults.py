@@ -143,7 +143,7 @@ def test_fault_cli_refuses_bad_settings(tmp_path: Path, capsys: pytest.CaptureFi
 
 
 def test_fault_files_are_what_the_models_read(tmp_path: Path) -> None:
-    """The file layout documented in model.py: <model>.json and <model>@<version>.json."""
+    """The file layout documented in reference_models.py: <model>.json and <model>@<version>.json."""
     p = faults.set_fault("ranker", 2, error_rate=0.25, extra_latency_ms=10, state_dir=tmp_path)
     assert p == tmp_path / "faults" / "ranker@2.json"
     assert faults.active(tmp_path) == {"ranker@2": faults.Fault(0.25, 10.0)}

@@ -88,6 +88,7 @@ def test_bad_port_number_and_missing_repository_are_refused(tmp_path: Path) -> N
 def test_a_model_that_fails_to_load_is_named(tmp_path: Path) -> None:
     repo = tmp_path / "repo"
     shutil.copytree(catalog.MODEL_REPOSITORY / "ranker", repo / "broken")
+    shutil.copy(catalog.MODEL_REPOSITORY / "reference_models.py", repo)
     cfg = (repo / "broken" / "config.pbtxt").read_text()
     cfg = cfg.replace('name: "ranker"', 'name: "broken"').replace('"ranker" }', '"no_such_kind" }')
     (repo / "broken" / "config.pbtxt").write_text(cfg)
