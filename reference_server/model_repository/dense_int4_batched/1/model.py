@@ -8,6 +8,6 @@ import sys
 sys.dont_write_bytecode = True
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
-from reference_models import TritonPythonModel
+from reference_models import TritonPythonModel  # noqa: E402 (after the path is set)
 
 __all__ = ["TritonPythonModel"]
