@@ -211,3 +211,15 @@ def test_upstream_killed_mid_load_no_hang_all_counted_and_recovers(how: str, pro
             by_code[code] += n
         assert by_code == seen
         assert all(outcome == outcome_of(code) or code == "OK" for (_, code, outcome) in counted)
+
+
+@pytest.mark.parametrize("engine", ["relay", "aio"])
+def test_grpc_engine_flag_picks_the_engine(engine: str, triton, tmp_path) -> None:
+    with launch_sidecar(triton.http_url, triton.grpc_url, tmp_path, "--grpc-engine", engine) as sc:
+        client = tgrpc.InferenceServerClient(sc.grpc_url)
+        result = client.infer("ranker", infer_inputs("ranker"), model_version="1")
+        assert result.as_numpy("SCORES").shape == (1, 16)
+        client.close()
+        wait_for(lambda: grpc_counts(sc)[("ranker", "OK", "success")] == 1, what="the call counted")
+        listening = "grpc relay listening" if engine == "relay" else "grpc proxy listening"
+        assert listening in sc.log()
