@@ -624,6 +624,9 @@ class _Conn:
                 if st is not None and not st.dropped:
                     self._release(st)
                     self._finish(st, self._gone_code(st))
+                elif st is not None and st.answer is not None:  # cancelled before our answer
+                    name = self._gone_code(st)
+                    self.tel.end(self._begin(st, MODEL_NONE, ""), name, self.relay.outcome(name), 0, 0)
                 if self.local or (st is not None and st.dropped):
                     replace = b""
             elif self.local:
