@@ -11,6 +11,7 @@ finds this environment's numpy. A ``tritonserver`` found elsewhere (the official
 
 from __future__ import annotations
 
+import ctypes
 import errno
 import os
 import re
@@ -131,14 +132,22 @@ def triton_env(base: dict[str, str] | None = None, faults_dir: Path | None = Non
     return env
 
 
+def _load_prctl():
+    try:
+        return ctypes.CDLL("libc.so.6", use_errno=True).prctl
+    except (OSError, AttributeError):
+        return None
+
+
+# Resolved in the parent: between fork and exec a child of a threaded process must not import
+# or load anything (an import there once crashed the child while gRPC threads were busy).
+_PRCTL = _load_prctl() if sys.platform == "linux" else None
+
+
 def _die_with_parent() -> None:
     """In the child before exec: SIGTERM Triton if the launcher dies without stopping it."""
-    try:
-        import ctypes
-
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
-    except (OSError, AttributeError):
-        pass
+    if _PRCTL is not None:
+        _PRCTL(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
 
 
 def load_failure(log_text: str) -> str | None:
@@ -240,7 +249,7 @@ class TritonServer:
                 stdin=subprocess.DEVNULL,
                 env=env,
                 start_new_session=True,  # Ctrl-C in a terminal reaches us; we stop Triton in order
-                preexec_fn=_die_with_parent if sys.platform == "linux" else None,
+                preexec_fn=_die_with_parent if _PRCTL is not None else None,
             )
         try:
             self._wait_ready()
