@@ -336,11 +336,14 @@ async def refresh_models(
 
 
 async def run(config: cfg.SidecarConfig) -> int:
-    from prometheus_client import CollectorRegistry
+    from prometheus_client import CollectorRegistry, disable_created_metrics
 
     from sidecar import http_proxy
     from sidecar.telemetry import Telemetry
 
+    # No _created series: Prometheus 2.x does not use them, and they were 8% of the
+    # sidecar's series (one per counter and histogram child).
+    disable_created_metrics()
     registry = CollectorRegistry()
     tracer, provider = build_tracer(config)
     telemetry = Telemetry(registry, config, tracer)

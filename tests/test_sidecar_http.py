@@ -231,6 +231,7 @@ def test_random_model_names_keep_series_bounded(triton, sidecar) -> None:
     served = {m["name"] for m in httpx.post(f"http://{triton.http_url}/v2/repository/index").json()}
     assert models <= served | {contract.MODEL_OVERFLOW, contract.MODEL_NONE}
     assert len(text.splitlines()) < 3000  # a fixed handful of series, not one per name
+    assert "_created" not in text  # unused by Prometheus 2.x: no series spent on it
 
 
 def test_malformed_oversized_and_slow_clients_get_answers(sidecar) -> None:
