@@ -26,7 +26,6 @@ import os
 import secrets
 import signal
 import sqlite3
-import sys
 import threading
 import time
 from datetime import UTC, datetime
@@ -39,6 +38,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from starlette.concurrency import run_in_threadpool
 
 from inferwatch import contract as c
+from inferwatch import logs
 
 TOKEN_ENV = "INFERWATCH_PAGER_TOKEN"
 DEFAULT_PORT = c.PORTS["pager"]
@@ -366,28 +366,6 @@ def create_app(store: PageStore, token: str) -> FastAPI:
 # ---------------------------------------------------------------------------------------
 # Process
 # ---------------------------------------------------------------------------------------
-class JsonFormatter(logging.Formatter):
-    """One JSON object per line: ts, level, logger, msg and the record's ``fields``."""
-
-    def format(self, record: logging.LogRecord) -> str:
-        out = {
-            "ts": datetime.fromtimestamp(record.created, UTC).isoformat(timespec="milliseconds"),
-            "level": record.levelname.lower(),
-            "logger": record.name,
-            "msg": record.getMessage(),
-        }
-        out.update(getattr(record, "fields", {}))
-        if record.exc_info:
-            out["exc"] = self.formatException(record.exc_info)
-        return json.dumps(out, default=str)
-
-
-def setup_logging() -> None:
-    handler = logging.StreamHandler(sys.stderr)
-    handler.setFormatter(JsonFormatter())
-    root = logging.getLogger()
-    root.handlers[:] = [handler]
-    root.setLevel(logging.INFO)
 
 
 def read_token(token_file: str | None) -> str:
@@ -444,7 +422,8 @@ def main(args: argparse.Namespace) -> int:
     from inferwatch.cli import CliError
     from inferwatch.paths import state_dir
 
-    setup_logging()
+    # The root logger: uvicorn's records come out as JSON lines too.
+    logs.setup(logger="")
     try:
         token = read_token(args.token_file)
     except ValueError as exc:

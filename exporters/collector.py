@@ -63,7 +63,7 @@ class Guard:
             self.unsupported.add(call)
             log.info(
                 "call not supported by this GPU; its series is left out",
-                extra={"call": call, "gpu": self.gpu},
+                extra={"fields": {"call": call, "gpu": self.gpu}},
             )
             return None
         except Exception as exc:
@@ -134,7 +134,8 @@ class GpuSource:
                 self._init_failed(exc)
                 if i + 1 < len(self._candidates):
                     log.warning(
-                        "backend did not start; trying the next one", extra={"error": self.last_error}
+                        "backend did not start; trying the next one",
+                        extra={"fields": {"error": self.last_error}},
                     )
         if self._retry:
             self._spawn(self._retry_loop, "gpu-backend-retry")
@@ -150,11 +151,11 @@ class GpuSource:
         self.dcgm_labels = labels
         self.ready = Ready(backend, tuple(devices), guards, labels)
         self.last_error = ""
-        extra = {"backend": backend.name, "gpus": len(devices), "models": sorted({d.name for d in devices})}
+        fields = {"backend": backend.name, "gpus": len(devices), "models": sorted({d.name for d in devices})}
         if backend.name == "simulated":
-            log.warning("GPU metrics are SIMULATED, not read from a GPU", extra=extra)
+            log.warning("GPU metrics are SIMULATED, not read from a GPU", extra={"fields": fields})
         else:
-            log.info("backend started", extra=extra)
+            log.info("backend started", extra={"fields": fields})
         watch = getattr(backend, "watch_xids", None)
         if watch is not None:
             self._spawn(lambda: self._watch_xids(watch), "gpu-xid-events")
@@ -199,7 +200,8 @@ class GpuSource:
                 self._init_failed(exc)
                 delay = min(delay * 2, self._retry_max)
                 log.info(
-                    "backend still down; retrying", extra={"error": self.last_error, "retry_in_s": delay}
+                    "backend still down; retrying",
+                    extra={"fields": {"error": self.last_error, "retry_in_s": delay}},
                 )
                 continue
             self._activate(backend, devices)

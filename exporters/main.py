@@ -12,12 +12,12 @@ from pathlib import Path
 from prometheus_client import ProcessCollector
 from prometheus_client.registry import CollectorRegistry
 
-from exporters import logs
 from exporters.backends.simulated import MODELS, SimulatedBackend
 from exporters.collector import GpuCollector, GpuSource
 from exporters.fields import DEFAULT_FIELDS, FieldsError, load_fields
 from exporters.model import Backend
 from exporters.server import ExporterApp, make_server
+from inferwatch import logs
 from inferwatch.cli import CliError
 
 log = logging.getLogger("inferwatch.gpu_exporter")
@@ -87,7 +87,7 @@ def run(args: argparse.Namespace) -> int:
     stop = threading.Event()
 
     def on_signal(signum: int, _frame: object) -> None:
-        log.info("stopping", extra={"signal": signal.Signals(signum).name})
+        log.info("stopping", extra={"fields": {"signal": signal.Signals(signum).name}})
         stop.set()
 
     signal.signal(signal.SIGTERM, on_signal)
@@ -97,7 +97,10 @@ def run(args: argparse.Namespace) -> int:
     serving = threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.5}, name="http")
     serving.start()
     host, port = server.server_address[:2]
-    log.info("listening", extra={"host": host, "port": port, "backend": source.label, "fields": len(fields)})
+    log.info(
+        "listening",
+        extra={"fields": {"host": host, "port": port, "backend": source.label, "fields": len(fields)}},
+    )
     try:
         while not stop.wait(1.0):
             pass

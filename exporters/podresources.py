@@ -142,7 +142,7 @@ class PodResourcesWatcher:
             self._stop.wait(self._interval)
 
     def start(self) -> None:
-        log.info("reading GPU allocations from the kubelet", extra={"socket": self._socket})
+        log.info("reading GPU allocations from the kubelet", extra={"fields": {"socket": self._socket}})
         self._thread = threading.Thread(target=self._run, name="gpu-pod-resources", daemon=True)
         self._thread.start()
 

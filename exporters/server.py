@@ -124,7 +124,10 @@ class ExporterApp:
             if req.xid is not None:
                 for g in req.gpus:
                     self.source.xids.record(g, req.xid)
-            log.info("simulation changed", extra={"gpus": list(req.gpus), **req.changes, "xid": req.xid})
+            log.info(
+                "simulation changed",
+                extra={"fields": {"gpus": list(req.gpus), **req.changes, "xid": req.xid}},
+            )
         return 200, {"gpus": backend.state()}
 
 
@@ -184,7 +187,7 @@ class _Handler(BaseHTTPRequestHandler):
         try:
             self._route()
         except Exception:
-            log.exception("request failed", extra={"path": self.path})
+            log.exception("request failed", extra={"fields": {"path": self.path}})
             self.close_connection = True
             if not self._answered:  # otherwise closing the connection is all that is left
                 try:
@@ -196,7 +199,7 @@ class _Handler(BaseHTTPRequestHandler):
 
     def log_message(self, format: str, *args: Any) -> None:
         if log.isEnabledFor(logging.DEBUG):
-            log.debug("request", extra={"client": self.client_address[0], "line": format % args})
+            log.debug("request", extra={"fields": {"client": self.client_address[0], "line": format % args}})
 
 
 class ExporterServer(ThreadingHTTPServer):

@@ -29,10 +29,10 @@ class ErrorCounter:
         if n == 1:
             log.warning(
                 "backend call failed (counted in the errors metric from now on)",
-                extra={"call": call, "gpu": gpu, "error": repr(exc) if exc else ""},
+                extra={"fields": {"call": call, "gpu": gpu, "error": repr(exc) if exc else ""}},
             )
         elif log.isEnabledFor(logging.DEBUG):
-            log.debug("backend call failed", extra={"call": call, "gpu": gpu, "error": repr(exc)})
+            log.debug("backend call failed", extra={"fields": {"call": call, "gpu": gpu, "error": repr(exc)}})
 
     def snapshot(self) -> dict[tuple[str, str], int]:
         with self._lock:
@@ -51,7 +51,7 @@ class XidLog:
         with self._lock:
             self._counts[(gpu, xid)] = self._counts.get((gpu, xid), 0) + 1
             self._last[gpu] = xid
-        log.warning("XID error", extra={"gpu": gpu, "xid": xid})
+        log.warning("XID error", extra={"fields": {"gpu": gpu, "xid": xid}})
 
     def snapshot(self) -> tuple[dict[tuple[int, int], int], dict[int, int]]:
         with self._lock:

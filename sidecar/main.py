@@ -34,6 +34,7 @@ import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
+from inferwatch import logs
 from inferwatch.cli import CliError
 from sidecar import config as cfg
 
@@ -46,34 +47,6 @@ MISS_REFRESH_MIN_INTERVAL = 5.0
 # While the upstream is down, probe it this often; while up, this often between index reads.
 DOWN_PROBE_INTERVAL = 1.0
 UP_PROBE_INTERVAL = 5.0
-
-
-class JsonFormatter(logging.Formatter):
-    """One JSON object per line: ts, level, logger, msg and the record's ``fields``."""
-
-    def format(self, record: logging.LogRecord) -> str:
-        out: dict[str, Any] = {
-            "ts": time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(record.created))
-            + f".{int(record.msecs):03d}Z",
-            "level": record.levelname.lower(),
-            "logger": record.name,
-            "msg": record.getMessage(),
-        }
-        fields = getattr(record, "fields", None)
-        if fields:
-            out.update(fields)
-        if record.exc_info:
-            out["exc"] = self.formatException(record.exc_info)
-        return json.dumps(out, default=str)
-
-
-def setup_logging(level: str) -> None:
-    handler = logging.StreamHandler(sys.stderr)
-    handler.setFormatter(JsonFormatter())
-    root = logging.getLogger("inferwatch")
-    root.handlers[:] = [handler]
-    root.setLevel(level.upper())
-    root.propagate = False
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -110,7 +83,7 @@ def _config(args: argparse.Namespace) -> cfg.SidecarConfig:
 
 def serve_config(config: cfg.SidecarConfig) -> int:
     """Run the sidecar until SIGTERM/SIGINT; the process exit code."""
-    setup_logging(config.log_level)
+    logs.setup(config.log_level)
     faulthandler.register(signal.SIGUSR1)  # `kill -USR1 PID` prints every thread's stack to stderr
     try:
         import uvloop

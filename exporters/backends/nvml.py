@@ -141,10 +141,10 @@ class NvmlBackend:
                     nv.nvmlDeviceRegisterEvents(h, nv.nvmlEventTypeXidCriticalError, event_set)
                     registered += 1
                 except nv.NVMLError_NotSupported:
-                    log.info("XID events not supported on this GPU", extra={"gpu": i})
+                    log.info("XID events not supported on this GPU", extra={"fields": {"gpu": i}})
                 except nv.NVMLError as exc:
                     error("nvmlDeviceRegisterEvents")
-                    log.warning("cannot watch XID events", extra={"gpu": i, "error": str(exc)})
+                    log.warning("cannot watch XID events", extra={"fields": {"gpu": i, "error": str(exc)}})
             if not registered:
                 return
             while not stop.is_set():
@@ -154,7 +154,7 @@ class NvmlBackend:
                     continue
                 except nv.NVMLError as exc:
                     error("nvmlEventSetWait")
-                    log.warning("XID event wait failed", extra={"error": str(exc)})
+                    log.warning("XID event wait failed", extra={"fields": {"error": str(exc)}})
                     stop.wait(5.0)
                     continue
                 if data.eventType & nv.nvmlEventTypeXidCriticalError:
