@@ -58,17 +58,12 @@ def scrape(conn: http.client.HTTPConnection) -> bytes:
     return body
 
 
-def bench(gpus: int, scrapes: int, lean: bool = True) -> dict[str, float]:
+def bench(gpus: int, scrapes: int) -> dict[str, float]:
     port = free_port()
     exe = ROOT / ".venv" / "bin" / "inferwatch"
     cmd = [str(exe), "gpu-exporter", "--backend", "simulated", "--gpus", str(gpus)]
     cmd += ["--host", "127.0.0.1", "--port", str(port), "--log-level", "error"]
-    env = dict(os.environ)
-    if not lean:  # keep the full `inferwatch` CLI process instead of the lean re-exec
-        env["INFERWATCH_GPU_EXPORTER_LEAN"] = "1"
-    proc = subprocess.Popen(
-        cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True, env=env
-    )
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
     try:
         conn = http.client.HTTPConnection("127.0.0.1", port, timeout=10)
         deadline = time.monotonic() + 60
@@ -97,7 +92,7 @@ def bench(gpus: int, scrapes: int, lean: bool = True) -> dict[str, float]:
         conn.close()
         latencies.sort()
         return {
-            "process": "python -m exporters" if lean else "full inferwatch CLI",
+            "process": "inferwatch gpu-exporter",
             "gpus": gpus,
             "series": sum(1 for line in body.split(b"\n") if line and not line.startswith(b"#")),
             "bytes": len(body),
@@ -133,11 +128,6 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--gpus", type=int, nargs="+", default=[1, 8, 64], help="GPU counts (default: 1 8 64)")
     ap.add_argument("--scrapes", type=int, default=300, help="timed scrapes per GPU count (default: 300)")
     ap.add_argument("--markdown", action="store_true", help="print a Markdown table")
-    ap.add_argument(
-        "--no-full-cli",
-        action="store_true",
-        help="skip the 8-GPU row run without the lean re-exec (the full inferwatch CLI's imports)",
-    )
     args = ap.parse_args(argv)
     if args.scrapes < 10 or any(g < 1 for g in args.gpus):
         ap.error("--scrapes must be >= 10 and every --gpus >= 1")
@@ -145,9 +135,6 @@ def main(argv: list[str] | None = None) -> int:
     for n in args.gpus:
         print(f"benchmarking {n} simulated GPU(s), {args.scrapes} scrapes ...", file=sys.stderr)
         rows.append(bench(n, args.scrapes))
-    if not args.no_full_cli:
-        print("benchmarking 8 simulated GPUs without the lean re-exec ...", file=sys.stderr)
-        rows.append(bench(8, args.scrapes, lean=False))
     cells = [[fmt.format(int(r[k]) if fmt == "{:d}" else r[k]) for k, _, fmt in COLUMNS] for r in rows]
     heads = [h for _, h, _ in COLUMNS]
     if args.markdown:

@@ -107,20 +107,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=_run)
 
 
-LEAN_ENV = "INFERWATCH_GPU_EXPORTER_LEAN"
-
-
 def _run(args: argparse.Namespace) -> int:
-    import sys
-
-    # Started as `inferwatch gpu-exporter ...`: become `python -m exporters ...` (same PID) so the
-    # long-running process does not carry every other component's imports (see exporters/__main__.py).
-    if sys.argv[1:2] == ["gpu-exporter"] and os.environ.get(LEAN_ENV) != "1":
-        os.environ[LEAN_ENV] = "1"
-        try:
-            os.execv(sys.executable, [sys.executable, "-m", "exporters", *sys.argv[2:]])
-        except OSError:
-            pass  # run in this process, with a larger footprint
     from exporters.main import run
 
     return run(args)

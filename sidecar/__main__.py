@@ -1,5 +1,4 @@
-"""``python -m sidecar``: the sidecar alone, without importing the rest of the inferwatch CLI
-(``inferwatch sidecar`` re-executes itself as this, so the proxy stays lean in memory)."""
+"""``python -m sidecar``: the sidecar alone, the same as ``inferwatch sidecar``."""
 
 from __future__ import annotations
 

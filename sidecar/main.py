@@ -28,7 +28,6 @@ import json
 import logging
 import os
 import signal
-import sys
 import threading
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -40,8 +39,6 @@ from sidecar import config as cfg
 
 log = logging.getLogger("inferwatch.sidecar")
 
-# Set to 0 to keep `inferwatch sidecar` in the CLI's process instead of re-executing lean.
-LEAN_ENV = "INFERWATCH_SIDECAR_LEAN"
 # Wait at least this long between two index reads triggered by unknown model names.
 MISS_REFRESH_MIN_INTERVAL = 5.0
 # While the upstream is down, probe it this often; while up, this often between index reads.
@@ -65,13 +62,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 
 def _command(args: argparse.Namespace) -> int:
-    config = _config(args)
-    if sys.argv[1:2] == ["sidecar"] and os.environ.get(LEAN_ENV) != "0":
-        # The full CLI imported every component's parser (FastAPI, numpy, httpx: ~30 MB
-        # resident the proxy never uses); become `python -m sidecar` with the same pid,
-        # arguments and environment. The configuration was checked above.
-        os.execv(sys.executable, [sys.executable, "-m", "sidecar", *sys.argv[2:]])
-    return serve_config(config)
+    return serve_config(_config(args))
 
 
 def _config(args: argparse.Namespace) -> cfg.SidecarConfig:
