@@ -33,6 +33,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from inferwatch import contract  # noqa: E402
+from inferwatch.net import free_port  # noqa: E402
 from reference_server import triton_metrics  # noqa: E402
 from reference_server.launcher import TritonServer  # noqa: E402
 from reference_server.loadgen import LoadConfig, LoadGenerator, Target, run_load  # noqa: E402
@@ -43,14 +44,6 @@ PATHS = {
     "float32": ("dense_batched", "dense_unbatched"),
     "int4-streaming": ("dense_int4_batched", "dense_int4_unbatched"),
 }
-
-
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @dataclass

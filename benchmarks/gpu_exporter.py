@@ -14,7 +14,6 @@ import http.client
 import os
 import re
 import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -22,17 +21,12 @@ import time
 from pathlib import Path
 
 from inferwatch.contract import GPU_SCRAPE_DURATION
+from inferwatch.net import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
 CLK_TCK = os.sysconf("SC_CLK_TCK")
 # The exporter's own measure of reading and converting every GPU (before rendering).
 COLLECT = re.compile(rb"^" + re.escape(GPU_SCRAPE_DURATION.name.encode()) + rb" (\S+)$", re.M)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def cpu_seconds(pid: int) -> float:

@@ -33,6 +33,7 @@ import grpc.aio  # noqa: E402
 import numpy as np  # noqa: E402
 from tritonclient.grpc import service_pb2 as pb  # noqa: E402
 
+from inferwatch.net import free_port  # noqa: E402
 from reference_server.catalog import MODELS, example_input  # noqa: E402
 from reference_server.launcher import TritonServer  # noqa: E402
 
@@ -70,14 +71,6 @@ uvloop.run(main())
 """
 METHOD = "/inference.GRPCInferenceService/ModelInfer"
 MODEL = "ranker"
-
-
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def cpu_seconds(pid: int) -> float:

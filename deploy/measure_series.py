@@ -19,7 +19,6 @@ import argparse
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -32,17 +31,13 @@ from pathlib import Path
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
+from inferwatch.net import free_port
+
 ROOT = Path(__file__).resolve().parents[1]
 INFERWATCH = [str(ROOT / ".venv" / "bin" / "inferwatch")]
 if not Path(INFERWATCH[0]).exists():
     INFERWATCH = [sys.executable, "-m", "inferwatch.cli"]
 MODELS = ("dense_batched", "dense_unbatched", "ranker:1", "ranker:2")
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def wait_http(url: str, proc: subprocess.Popen, timeout: float = 240.0) -> None:

@@ -20,7 +20,6 @@ import json
 import os
 import shutil
 import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -32,6 +31,7 @@ from pathlib import Path
 from prometheus_client.parser import text_string_to_metric_families
 
 from inferwatch import contract as c
+from inferwatch.net import free_port
 
 MIB = 1024 * 1024
 QUERY = [
@@ -131,12 +131,6 @@ def scrape(url: str) -> tuple[dict[str, dict[str, float]], dict, float]:
                 per_gpu.setdefault(uuid, {})["fb_total_mib"] = s.value / MIB
                 per_gpu[uuid]["modelName"] = s.labels.get(c.L_MODEL_NAME, "")  # type: ignore[assignment]
     return per_gpu, fams, latency
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def start_exporter() -> tuple[subprocess.Popen, str]:
