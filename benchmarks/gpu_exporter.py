@@ -20,27 +20,14 @@ import sys
 import time
 from pathlib import Path
 
+from procstat import cpu_seconds, memory_kib
+
 from inferwatch.contract import GPU_SCRAPE_DURATION
 from inferwatch.net import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
-CLK_TCK = os.sysconf("SC_CLK_TCK")
 # The exporter's own measure of reading and converting every GPU (before rendering).
 COLLECT = re.compile(rb"^" + re.escape(GPU_SCRAPE_DURATION.name.encode()) + rb" (\S+)$", re.M)
-
-
-def cpu_seconds(pid: int) -> float:
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / CLK_TCK  # utime + stime
-
-
-def memory_kib(pid: int) -> dict[str, int]:
-    out = {}
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        key, _, value = line.partition(":")
-        if key in ("VmRSS", "VmHWM"):
-            out[key] = int(value.split()[0])
-    return out
 
 
 def scrape(conn: http.client.HTTPConnection) -> bytes:
@@ -72,8 +59,8 @@ def bench(gpus: int, scrapes: int) -> dict[str, float]:
                 time.sleep(0.2)
         for _ in range(20):  # warm-up
             scrape(conn)
-        idle_mem = memory_kib(proc.pid)
-        cpu0 = cpu_seconds(proc.pid)
+        idle_rss = memory_kib([proc.pid])
+        cpu0 = cpu_seconds([proc.pid])
         latencies, collect = [], []
         for _ in range(scrapes):
             t0 = time.perf_counter()
@@ -81,8 +68,8 @@ def bench(gpus: int, scrapes: int) -> dict[str, float]:
             latencies.append(time.perf_counter() - t0)
             m = COLLECT.search(body)
             collect.append(float(m.group(1)) if m else float("nan"))
-        cpu = cpu_seconds(proc.pid) - cpu0
-        mem = memory_kib(proc.pid)
+        cpu = cpu_seconds([proc.pid]) - cpu0
+        rss, peak = memory_kib([proc.pid]), memory_kib([proc.pid], "VmHWM")
         conn.close()
         latencies.sort()
         return {
@@ -94,9 +81,9 @@ def bench(gpus: int, scrapes: int) -> dict[str, float]:
             "p99_ms": latencies[min(len(latencies) - 1, int(len(latencies) * 0.99))] * 1000,
             "collect_ms": statistics.median(collect) * 1000,
             "cpu_ms_per_scrape": cpu / scrapes * 1000,
-            "rss_mib_idle": idle_mem["VmRSS"] / 1024,
-            "rss_mib": mem["VmRSS"] / 1024,
-            "peak_rss_mib": mem["VmHWM"] / 1024,
+            "rss_mib_idle": idle_rss / 1024,
+            "rss_mib": rss / 1024,
+            "peak_rss_mib": peak / 1024,
         }
     finally:
         os.killpg(proc.pid, signal.SIGTERM)

@@ -31,13 +31,13 @@ sys.path.insert(0, str(ROOT))
 import grpc  # noqa: E402
 import grpc.aio  # noqa: E402
 import numpy as np  # noqa: E402
+from procstat import cpu_seconds, memory_kib  # noqa: E402
 from tritonclient.grpc import service_pb2 as pb  # noqa: E402
 
 from inferwatch.net import free_port  # noqa: E402
 from reference_server.catalog import MODELS, example_input  # noqa: E402
 from reference_server.launcher import TritonServer  # noqa: E402
 
-CLK_TCK = os.sysconf("SC_CLK_TCK")
 NGINX_CONF = """daemon off; worker_processes 1; pid {dir}/nginx.pid; error_log {dir}/nginx.err warn;
 events {{ worker_connections 1024; }}
 http {{
@@ -71,18 +71,6 @@ uvloop.run(main())
 """
 METHOD = "/inference.GRPCInferenceService/ModelInfer"
 MODEL = "ranker"
-
-
-def cpu_seconds(pid: int) -> float:
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / CLK_TCK  # utime + stime
-
-
-def rss_mib(pid: int) -> float:
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
-            return int(line.split()[1]) / 1024
-    return 0.0
 
 
 def request_bytes() -> bytes:
@@ -151,17 +139,17 @@ def measure(url: str, pid: int | None, payload: bytes, args: argparse.Namespace)
     out: dict[str, dict] = {}
     asyncio.run(closed_loop(url, payload, 4, 2.0))  # warm-up
     for rate in args.rates:
-        before = cpu_seconds(pid) if pid else 0.0
+        before = cpu_seconds([pid]) if pid else 0.0
         res = asyncio.run(open_loop(url, payload, rate, args.duration))
         if pid:
-            res["cpu_per_1k"] = (cpu_seconds(pid) - before) / (rate * args.duration) * 1000
+            res["cpu_per_1k"] = (cpu_seconds([pid]) - before) / (rate * args.duration) * 1000
         out[f"rate {rate:g}"] = res
         print(f"  {url} rate {rate:g}/s: {res}", file=sys.stderr)
-    before = cpu_seconds(pid) if pid else 0.0
+    before = cpu_seconds([pid]) if pid else 0.0
     res = asyncio.run(closed_loop(url, payload, args.concurrency, args.duration))
     if pid:
-        res["cpu_per_1k"] = (cpu_seconds(pid) - before) / res["requests"] * 1000
-        res["rss_mib"] = rss_mib(pid)
+        res["cpu_per_1k"] = (cpu_seconds([pid]) - before) / res["requests"] * 1000
+        res["rss_mib"] = memory_kib([pid]) / 1024
     out["max"] = res
     print(f"  {url} max: {res}", file=sys.stderr)
     return out

@@ -38,12 +38,13 @@ import tempfile
 import time
 from pathlib import Path
 
+from procstat import cpu_seconds, memory_kib
+
 from inferwatch.net import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-CLK_TCK = os.sysconf("SC_CLK_TCK")
 PATH = "/v2/models/ranker/versions/1/infer"
 MEAN_GAP_S = 0.05  # per-connection mean gap at the fixed rates
 MAX_CONNECTIONS = 8
@@ -96,29 +97,6 @@ http {{
     }}
 }}
 """
-
-
-def cpu_seconds(pids: list[int]) -> float:
-    total = 0
-    for pid in pids:
-        try:
-            fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-        except FileNotFoundError:
-            continue
-        total += int(fields[11]) + int(fields[12])
-    return total / CLK_TCK
-
-
-def memory_kib(pids: list[int], field: str) -> int:
-    total = 0
-    for pid in pids:
-        try:
-            for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-                if line.startswith(field + ":"):
-                    total += int(line.split()[1])
-        except FileNotFoundError:
-            pass
-    return total
 
 
 def children(pid: int) -> list[int]:
