@@ -9,8 +9,8 @@ ever sent to something that is not listening yet.
 
 from __future__ import annotations
 
-import argparse
 import errno
+import importlib.util
 import json
 import os
 import shutil
@@ -18,7 +18,7 @@ import socket
 import sys
 import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -189,13 +189,11 @@ def _port_taken(host: str, port: int) -> bool:
     return False
 
 
-def _registered_commands() -> set[str]:
-    from inferwatch.cli import build_parser
+def _missing_commands(names: Iterable[str]) -> list[str]:
+    """The commands among ``names`` whose component module is not installed (found, not imported)."""
+    from inferwatch.cli import COMMANDS
 
-    for action in build_parser()._actions:
-        if isinstance(action, argparse._SubParsersAction):
-            return set(action.choices)
-    return set()
+    return [n for n in names if n not in COMMANDS or importlib.util.find_spec(COMMANDS[n]) is None]
 
 
 class Stack:
@@ -241,7 +239,7 @@ class Stack:
                     f"port {port} ({name}) is already in use on {c.host}: stop what listens there "
                     f"(ss -ltnp 'sport = :{port}') or pick another with --port {name}=PORT (or --free-ports)"
                 )
-        absent = [name for name in COMPONENT_COMMANDS if name not in _registered_commands()]
+        absent = _missing_commands(COMPONENT_COMMANDS)
         if absent:
             raise StackError(
                 f"this inferwatch has no {', '.join(absent)} command: the component is not installed; "
