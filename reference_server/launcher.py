@@ -11,7 +11,6 @@ finds this environment's numpy. A ``tritonserver`` found elsewhere (the official
 
 from __future__ import annotations
 
-import ctypes
 import errno
 import os
 import re
@@ -132,22 +131,20 @@ def triton_env(base: dict[str, str] | None = None, faults_dir: Path | None = Non
     return env
 
 
-def _load_prctl():
-    try:
-        return ctypes.CDLL("libc.so.6", use_errno=True).prctl
-    except (OSError, AttributeError):
-        return None
+def die_with_parent(cmd: list[str]) -> list[str]:
+    """``cmd`` wrapped so the kernel sends it SIGTERM when the thread that started it dies
+    (PR_SET_PDEATHSIG, kept across exec): a launcher killed without stopping Triton leaves no
+    server behind.
 
-
-# Resolved in the parent: between fork and exec a child of a threaded process must not import
-# or load anything (an import there once crashed the child while gRPC threads were busy).
-_PRCTL = _load_prctl() if sys.platform == "linux" else None
-
-
-def _die_with_parent() -> None:
-    """In the child before exec: SIGTERM Triton if the launcher dies without stopping it."""
-    if _PRCTL is not None:
-        _PRCTL(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    The signal is set by util-linux's ``setpriv`` (2.33+; util-linux is Essential on Debian
+    and Ubuntu), which then execs ``cmd``, rather than by a ``preexec_fn``: that makes
+    ``subprocess`` fork this Python process (and run gRPC's fork handlers) instead of
+    vforking, and a fork while gRPC threads are busy crashed Triton at random. Without
+    ``setpriv`` the command runs unwrapped; ``stop()`` and the stack's process-group stop
+    still end it.
+    """
+    setpriv = shutil.which("setpriv") if sys.platform == "linux" else None
+    return [setpriv, "--pdeathsig", "TERM", "--", *cmd] if setpriv else cmd
 
 
 def load_failure(log_text: str) -> str | None:
@@ -243,13 +240,12 @@ class TritonServer:
         env[STATE_DIR_ENV] = str(self.state_dir)
         with open(self.log_path, "wb") as log:
             self.proc = subprocess.Popen(
-                self.command(binary, backend_dir),
+                die_with_parent(self.command(binary, backend_dir)),
                 stdout=log,
                 stderr=subprocess.STDOUT,
                 stdin=subprocess.DEVNULL,
                 env=env,
                 start_new_session=True,  # Ctrl-C in a terminal reaches us; we stop Triton in order
-                preexec_fn=_die_with_parent if _PRCTL is not None else None,
             )
         try:
             self._wait_ready()

@@ -7,6 +7,7 @@ import shutil
 import signal
 import socket
 import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -126,3 +127,88 @@ def test_cli_serves_until_sigterm_then_stops_cleanly(tmp_path: Path, processes) 
     assert (tmp_path / "triton" / "triton.log").is_file()
     with pytest.raises(httpx.ConnectError):
         httpx.get(f"http://127.0.0.1:{http}/v2/health/live", timeout=2)
+
+
+# Run as a separate interpreter so the gRPC threads are this script's alone: a channel kept busy
+# by a thread (as the sidecar tests' clients are) while the launcher starts Triton five times,
+# then a sixth Triton left running when the script is SIGKILLed.
+GRPC_BUSY_STARTS = """
+import sys, threading
+import grpc
+from reference_server.launcher import TritonServer
+from inferwatch.net import free_port
+
+state, target = sys.argv[1], sys.argv[2]
+stop = threading.Event()
+calls = [0]
+
+def busy():
+    with grpc.insecure_channel(target) as ch:
+        live = ch.unary_unary("/inference.GRPCInferenceService/ServerLive")
+        while not stop.is_set():
+            try:
+                live(b"", timeout=1)
+            except grpc.RpcError:
+                pass
+            calls[0] += 1
+
+threads = [threading.Thread(target=busy, daemon=True) for _ in range(4)]
+for t in threads:
+    t.start()
+
+def server():
+    return TritonServer(http_port=free_port(), grpc_port=free_port(), metrics_port=free_port(),
+                        state_dir_path=state, ready_timeout=120,
+                        extra_args=("--model-control-mode=explicit", "--load-model=ranker"))
+
+for i in range(5):
+    before = calls[0]
+    with server():
+        pass
+    print("started", i, "grpc calls during start", calls[0] - before, flush=True)
+last = server().start()
+print("left running", last.proc.pid, flush=True)
+threading.Event().wait()
+"""
+
+
+def test_starts_beside_live_grpc_threads_and_dies_with_its_parent(tmp_path: Path, triton) -> None:
+    """No fork-time hook runs in a process with busy gRPC threads (a ``preexec_fn`` forked the
+    launcher with them, and gRPC's fork handlers then crashed the child at random), and Triton
+    still dies when the process that started it is killed without stopping it."""
+    script = subprocess.Popen(
+        [sys.executable, "-c", GRPC_BUSY_STARTS, str(tmp_path), triton.grpc_url],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        cwd=Path(__file__).resolve().parents[1],
+    )
+    lines: list[str] = []
+    try:
+        assert script.stdout is not None
+        for line in script.stdout:
+            lines.append(line.strip())
+            if line.startswith("left running"):
+                break
+    finally:
+        if script.poll() is None:
+            script.kill()  # SIGKILL: the launcher gets no chance to stop Triton itself
+        _out, err = script.communicate(timeout=60)
+    started = [ln for ln in lines if ln.startswith("started")]
+    assert len(started) == 5, f"{lines}\n{err[-3000:]}"
+    assert all(int(ln.split()[-1]) > 0 for ln in started), "the gRPC threads were not busy during the starts"
+    assert "fork" not in err, err[-3000:]
+    assert lines[-1].startswith("left running"), f"{lines}\n{err[-3000:]}"
+    orphan = int(lines[-1].split()[-1])
+    deadline = time.monotonic() + 30
+    while _alive(orphan) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not _alive(orphan), "Triton outlived the process that started it"
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as fh:
+            return fh.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
