@@ -53,6 +53,8 @@ class SidecarConfig:
     body_timeout: float = 30.0
     keepalive_timeout: float = 75.0
     drain_timeout: float = 30.0
+    # After SIGTERM, keep accepting this long (``/readyz`` already 503) before the listeners close.
+    drain_delay: float = 0.0
     model_refresh_interval: float = 30.0
     # Limits.
     max_header_bytes: int = 64 * 1024
@@ -123,6 +125,13 @@ _FLAGS: list[tuple[str, str, str, object, str]] = [
     ),
     ("--drain-timeout", "drain_timeout", "secs", _D.drain_timeout, "on SIGTERM, longest wait for in-flight"),
     (
+        "--drain-delay",
+        "drain_delay",
+        "secs0",
+        _D.drain_delay,
+        "on SIGTERM, keep accepting this long while /readyz says 503, then drain",
+    ),
+    (
         "--model-refresh-interval",
         "model_refresh_interval",
         "secs",
@@ -166,7 +175,8 @@ _FLAGS: list[tuple[str, str, str, object, str]] = [
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Add the sidecar's flags; defaults are resolved later so env variables can apply."""
-    metavars = {"addr": "HOST:PORT", "port": "PORT", "port0": "PORT", "secs": "SECONDS", "int": "N"}
+    metavars = {"addr": "HOST:PORT", "port": "PORT", "port0": "PORT", "secs": "SECONDS", "secs0": "SECONDS"}
+    metavars["int"] = "N"
     metavars |= {"ratio": "RATIO", "level": "LEVEL", "engine": "ENGINE"}
     for flag, dest, kind, default, help_ in _FLAGS:
         env = ENV_PREFIX + dest.upper()
@@ -215,6 +225,13 @@ def _secs(text: str) -> float:
     return value
 
 
+def _secs0(text: str) -> float:
+    value = float(text)
+    if not value >= 0 or value == float("inf"):
+        raise ValueError(f"{text!r} must be a number of seconds, 0 or more")
+    return value
+
+
 def _positive_int(text: str) -> int:
     value = int(text)
     if value < 1:
@@ -248,6 +265,7 @@ _PARSE = {
     "port": _port,
     "port0": lambda t: _port(t, allow_zero=True),
     "secs": _secs,
+    "secs0": _secs0,
     "int": _positive_int,
     "ratio": _ratio,
     "level": _level,

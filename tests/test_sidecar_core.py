@@ -142,6 +142,9 @@ def test_config_env_and_flags() -> None:
     assert c.http_port == 9001 and c.metrics_port == 9003
     c = make_config(env={"INFERWATCH_SLA": "a=10,b=20", "INFERWATCH_UPSTREAM_HTTP": "10.0.0.1:8000"})
     assert c.sla_overrides == {"a": 0.01, "b": 0.02} and c.upstream_http == ("10.0.0.1", 8000)
+    assert make_config().drain_delay == 0.0
+    assert make_config(env={"INFERWATCH_DRAIN_DELAY": "7.5"}).drain_delay == 7.5
+    assert make_config("--drain-delay", "0", env={"INFERWATCH_DRAIN_DELAY": "7.5"}).drain_delay == 0.0
 
 
 @pytest.mark.parametrize(
@@ -158,6 +161,8 @@ def test_config_env_and_flags() -> None:
         (["--route", "^/v1/(.*)"], {}, "--route: '^/v1/(.*)' has no (?P<model>...) group"),
         (["--spec", "/nonexistent.yaml"], {}, "/nonexistent.yaml: no such file"),
         (["--trace-sample-ratio", "2"], {}, "--trace-sample-ratio: '2' must be between 0 and 1"),
+        (["--drain-delay", "-1"], {}, "--drain-delay: '-1' must be a number of seconds, 0 or more"),
+        ([], {"INFERWATCH_DRAIN_DELAY": "soon"}, "INFERWATCH_DRAIN_DELAY: 'soon' is not a number"),
     ],
 )
 def test_bad_config_is_one_line(argv: list[str], env: dict[str, str], message: str) -> None:
@@ -193,6 +198,7 @@ def test_cli_help_names_every_flag_and_its_variable() -> None:
     for flag, env in (
         ("--upstream-http", "INFERWATCH_UPSTREAM_HTTP"),
         ("--max-body-bytes", "INFERWATCH_MAX_BODY_BYTES"),
+        ("--drain-delay", "INFERWATCH_DRAIN_DELAY"),
     ):
         assert flag in out and env in out
 
