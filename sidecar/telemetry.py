@@ -25,11 +25,14 @@ one ``Telemetry``; everything a request costs is two calls::
   ``server_error``; other 4xx / gRPC codes are ``client_error``.
 - ``set_upstream_up(upstream, up)`` with ``UPSTREAM_HTTP`` or ``UPSTREAM_GRPC``.
 - ``model_label(name)``: the name itself when the upstream serves it (its repository
-  index, given through ``update_models``) or the spec lists it, up to
-  ``spec.sidecar.max_models`` names; anything else is ``contract.MODEL_OVERFLOW``. When the
-  upstream cannot list its models (``update_models(None, supported=False)``) names are
-  admitted first come up to the cap. A miss calls ``on_unknown_model`` (the refresher's
-  wake-up, rate-limited by the refresher) so a newly loaded model is picked up quickly.
+  index, given through ``update_models``), the spec lists it, or the upstream already
+  answered a request for it with success, up to ``spec.sidecar.max_models`` names; anything
+  else is ``contract.MODEL_OVERFLOW`` (``sidecar.catalog.ModelCatalog`` decides). A request
+  that began under the overflow label and ends with success (HTTP 2xx, gRPC OK) is counted
+  under its own name (within the cap), so the first requests after the upstream turns ready
+  are attributed before the index is read. A miss calls ``on_unknown_model`` (the
+  refresher's wake-up, rate-limited by the refresher) so a newly loaded model is picked up
+  quickly.
 
 Histogram buckets are a fixed ladder plus every configured SLA, 2x it and the latency
 alert's factor x it (and the same for the spec's default), so "slower than the SLA" is
@@ -48,6 +51,7 @@ from typing import TYPE_CHECKING, Any
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from inferwatch import contract
+from sidecar.catalog import ModelCatalog
 
 if TYPE_CHECKING:
     from opentelemetry.trace import Span, Tracer
@@ -90,9 +94,6 @@ GRPC_CODES = {
     "DATA_LOSS": 15,
     "UNAUTHENTICATED": 16,
 }
-# Versions admitted per model when the upstream does not list versions.
-MAX_UNLISTED_VERSIONS = 8
-
 _OK, _CLIENT, _SERVER = contract.OUTCOME_SUCCESS, contract.OUTCOME_CLIENT_ERROR, contract.OUTCOME_SERVER_ERROR
 # Built once: status -> outcome for every HTTP status.
 _HTTP_OUTCOMES = tuple(_SERVER if s >= 500 or s == 429 else _CLIENT if s >= 400 else _OK for s in range(1000))
@@ -147,7 +148,7 @@ class _Series:
 class Request:
     """One request's state between ``begin`` and ``end``."""
 
-    __slots__ = ("done", "series", "span", "start", "traceparent")
+    __slots__ = ("claim", "done", "series", "span", "start", "traceparent")
 
     def __init__(self, series: _Series, start: float, span: Span | None, traceparent: str | None) -> None:
         self.series = series
@@ -155,6 +156,9 @@ class Request:
         self.span = span
         self.traceparent = traceparent
         self.done = False
+        # (model, version) as the client named them, when their labels are not yet their own:
+        # a successful answer proves them (ModelCatalog.prove) and the request counts under them.
+        self.claim: tuple[str, str] | None = None
 
 
 class Telemetry:
@@ -204,79 +208,42 @@ class Telemetry:
         )
 
         self._configured = config.configured_slas()
-        # name -> admitted label (the name); bounded by max_models.
-        self._admitted: dict[str, set[str]] = {}
-        # Served models from the upstream's index: name -> versions (empty: not listed).
-        self._served: dict[str, set[str]] = {}
-        self._open = False  # upstream cannot list models: admit first come up to the cap
-        self._series: dict[tuple[str, str, str], _Series] = {}
-        self.on_unknown_model: Callable[[], None] | None = None
-        self.in_flight_total = 0
         for name, sla in self._configured.items():
             self.sla.labels(name).set(sla)
-            if len(self._admitted) < self.max_models:
-                self._admitted[name] = set()
+        self.catalog = ModelCatalog(self.max_models, self._configured, self._on_admit)
+        self._series: dict[tuple[str, str, str], _Series] = {}
+        self.in_flight_total = 0
 
     # ------------------------------------------------------------------ labels
-    def update_models(self, served: Mapping[str, Iterable[str]] | None, supported: bool = True) -> None:
-        """Record what the upstream serves (name -> versions), from its repository index.
-
-        ``served=None, supported=False``: the upstream has no index (not a KServe server):
-        names are admitted first come up to the cap. Admitted names are never evicted, so
-        existing series stay continuous.
-        """
-        if served is None:
-            self._open = not supported
-            return
-        self._open = False
-        self._served = {name: {str(v) for v in versions if v} for name, versions in served.items()}
-        for name in self._served:
-            self._admit(name)
-
-    def _admit(self, name: str) -> bool:
-        if name in self._admitted:
-            return True
-        if len(self._admitted) >= self.max_models:
-            return False
-        self._admitted[name] = set()
+    def _on_admit(self, name: str) -> None:
         if name not in self._configured:
             self.sla.labels(name).set(self.config.latency_sla_seconds(name))
-        return True
+
+    @property
+    def on_unknown_model(self) -> Callable[[], None] | None:
+        return self.catalog.on_unknown
+
+    @on_unknown_model.setter
+    def on_unknown_model(self, callback: Callable[[], None] | None) -> None:
+        self.catalog.on_unknown = callback
+
+    def update_models(self, served: Mapping[str, Iterable[str]] | None, supported: bool = True) -> None:
+        """The upstream's repository index (name -> versions); ``ModelCatalog.update``."""
+        self.catalog.update(served, supported)
 
     def model_label(self, name: str) -> str:
-        if not name:
-            return contract.MODEL_NONE
-        if name in self._admitted:
-            return name
-        if (self._open or name in self._served) and self._admit(name):
-            return name
-        if self.on_unknown_model is not None:
-            self.on_unknown_model()
-        return contract.MODEL_OVERFLOW
+        return self.catalog.model_label(name)
 
     def version_label(self, model_label: str, version: str) -> str:
-        if not version:
-            return ""
-        if model_label == contract.MODEL_OVERFLOW or model_label == contract.MODEL_NONE:
-            return contract.MODEL_OVERFLOW
-        listed = self._served.get(model_label)
-        if listed:
-            return version if version in listed else contract.MODEL_OVERFLOW
-        seen = self._admitted[model_label]
-        if version in seen:
-            return version
-        if len(seen) < MAX_UNLISTED_VERSIONS:
-            seen.add(version)
-            return version
-        return contract.MODEL_OVERFLOW
+        return self.catalog.version_label(model_label, version)
 
     def _resolve(self, model: str, version: str, protocol: str) -> _Series:
         key = (model, version, protocol)
         series = self._series.get(key)
         if series is not None:
             return series
-        m = self.model_label(model)
-        v = self.version_label(m, version)
+        m = self.catalog.model_label(model)
+        v = self.catalog.version_label(m, version)
         lkey = (m, v, protocol)
         series = self._series.get(lkey)
         if series is None:
@@ -296,14 +263,22 @@ class Telemetry:
         span_name: str = "",
         attributes: dict[str, Any] | None = None,
     ) -> Request:
-        series = self._series.get((model, version, protocol)) or self._resolve(model, version, protocol)
+        series = self._series.get((model, version, protocol))
+        claim = None
+        if series is None:
+            series = self._resolve(model, version, protocol)
+            if series.model != model or series.version != version:
+                claim = (model, version)
         series.in_flight.inc()
         self.in_flight_total += 1
         span = None
         out_tp = None
         if self.tracer is not None:
             span, out_tp = self._start_span(series, protocol, traceparent, span_name, attributes)
-        return Request(series, time.perf_counter(), span, out_tp)
+        req = Request(series, time.perf_counter(), span, out_tp)
+        if claim is not None:
+            req.claim = claim
+        return req
 
     def end(self, req: Request, code: str, outcome: str, req_bytes: int = 0, resp_bytes: int = 0) -> None:
         if req.done:
@@ -313,6 +288,8 @@ class Telemetry:
         s = req.series
         self.in_flight_total -= 1
         s.in_flight.dec()
+        if req.claim is not None and outcome == _OK and (code == "OK" or code[0] == "2"):
+            s = self._proven(req, s)
         counter = s.counters.get((code, outcome))
         if counter is None:
             counter = self.requests.labels(s.model, s.version, s.protocol, code, outcome)
@@ -332,6 +309,18 @@ class Telemetry:
         else:
             s.durations[outcome].observe(elapsed)
         self._end_span(span, s, code, outcome)
+
+    def _proven(self, req: Request, s: _Series) -> _Series:
+        """The upstream answered with success for names outside the labels: admit them (within
+        the caps) and count this request under them; else it stays where it began."""
+        model, version = req.claim  # type: ignore[misc]
+        if not self.catalog.prove(model, version):
+            return s
+        series = self._resolve(model, version, s.protocol)
+        if req.span is not None:
+            req.span.set_attribute("inferwatch.model", series.model)
+            req.span.set_attribute("inferwatch.model_version", series.version)
+        return series
 
     def set_upstream_up(self, upstream: str, up: bool) -> None:
         self.upstream_up.labels(upstream).set(1 if up else 0)

@@ -93,6 +93,54 @@ def test_model_label_is_bounded_by_served_models_and_the_cap() -> None:
     assert tel.version_label("a", "99") == contract.MODEL_OVERFLOW
 
 
+def test_a_successful_answer_admits_its_model_within_the_cap() -> None:
+    """Before the index is read (or while it is stale), a request that the upstream answers
+    with success is counted under its own model: the answer proves the model exists."""
+    reg = CollectorRegistry()
+    config = make_config()
+    config = cfg.SidecarConfig(
+        spec=config.spec.model_copy(
+            update={"sidecar": config.spec.sidecar.model_copy(update={"max_models": 2})}
+        )
+    )
+    tel = Telemetry(reg, config)
+
+    def total(model: str, version: str, code: str) -> float | None:
+        outcome = outcome_for_grpc(code) if code.isalpha() else outcome_for_http(int(code))
+        labels = {"model": model, "version": version, "code": code, "outcome": outcome}
+        return sample(reg, contract.REQUESTS_TOTAL.name, {**labels, "protocol": "http"}) or sample(
+            reg, contract.REQUESTS_TOTAL.name, {**labels, "protocol": "grpc"}
+        )
+
+    def one(model: str, version: str, code: str, protocol: str = contract.PROTOCOL_HTTP) -> None:
+        req = tel.begin(model, version, protocol)
+        outcome = outcome_for_grpc(code) if code.isalpha() else outcome_for_http(int(code))
+        tel.end(req, code, outcome)
+
+    one("unknown", "", "400")  # a failure proves nothing
+    assert total(contract.MODEL_OVERFLOW, "", "400") == 1
+    assert tel.model_label("unknown") == contract.MODEL_OVERFLOW
+    one("ranker", "1", "200")  # Triton answered: ranker version 1 exists
+    assert total("ranker", "1", "200") == 1
+    assert total(contract.MODEL_OVERFLOW, contract.MODEL_OVERFLOW, "200") is None
+    assert tel.model_label("ranker") == "ranker" and tel.version_label("ranker", "1") == "1"
+    assert sample(reg, contract.MODEL_LATENCY_SLA.name, {"model": "ranker"}) == 0.5
+    one("dense", "", "OK", contract.PROTOCOL_GRPC)  # gRPC OK proves it too
+    assert total("dense", "", "OK") == 1
+    one("third", "", "200")  # past the cap (2): stays in the overflow label
+    assert total(contract.MODEL_OVERFLOW, "", "200") == 1
+    assert tel.model_label("third") == contract.MODEL_OVERFLOW
+    # In flight was taken back where it was counted.
+    for model in ("ranker", "dense", contract.MODEL_OVERFLOW):
+        assert sample(reg, contract.REQUESTS_IN_FLIGHT.name, {"model": model}) == 0, model
+    # A version the index does not list, once proven, gets its label too (the index was stale).
+    tel2 = Telemetry(CollectorRegistry(), make_config())
+    tel2.update_models({"ranker": ["1"]})
+    assert tel2.version_label("ranker", "2") == contract.MODEL_OVERFLOW
+    tel2.end(tel2.begin("ranker", "2", contract.PROTOCOL_HTTP), "200", contract.OUTCOME_SUCCESS)
+    assert tel2.version_label("ranker", "2") == "2"
+
+
 def test_unlisting_upstream_admits_first_come_up_to_the_cap() -> None:
     reg = CollectorRegistry()
     config = make_config()
