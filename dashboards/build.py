@@ -15,6 +15,7 @@ from grafanalib import core as g
 from grafanalib._gen import DashboardEncoder
 
 from dashboards import fleet_overview, gpu, model_detail, urls
+from dashboards.tidy import tidy
 from inferwatch.spec import FleetSpec
 
 # name -> the function building it; one module per dashboard.
@@ -27,21 +28,9 @@ DEFAULT_OUT = Path(__file__).resolve().parent / "generated"
 CONFIGMAP_LABEL = "grafana_dashboard"  # what kube-prometheus-stack's Grafana sidecar watches
 
 
-def _tidy(data: dict[str, Any]) -> dict[str, Any]:
-    """Drop what grafanalib emits for old Grafana versions and make "All" read as All."""
-    # No __inputs: a provisioned dashboard never gets them resolved; the datasource
-    # variable serves UI import and provisioning alike.
-    for key in ("__inputs", "rows", "style", "hideControls", "sharedCrosshair", "gnetId"):
-        data.pop(key, None)
-    for var in data["templating"]["list"]:
-        if var.get("includeAll") and var.get("multi"):
-            var["current"] = {"selected": True, "text": ["All"], "value": ["$__all"]}
-    return data
-
-
 def dashboard_json(spec: FleetSpec, name: str) -> dict[str, Any]:
     """One dashboard as plain JSON data."""
-    return _tidy(json.loads(json.dumps(DASHBOARDS[name](spec).to_json_data(), cls=DashboardEncoder)))
+    return tidy(json.loads(json.dumps(DASHBOARDS[name](spec).to_json_data(), cls=DashboardEncoder)))
 
 
 def build(spec: FleetSpec) -> dict[str, dict[str, Any]]:

@@ -28,10 +28,9 @@ def dashboard(spec: FleetSpec) -> g.Dashboard:
     bucket = c.REQUEST_DURATION.name + "_bucket"
     server_error = sel + f', outcome="{c.OUTCOME_SERVER_ERROR}"'
     timeouts = sel + ', code=~"' + "|".join(p.TIMEOUT_CODES) + '"'
-    to_model = p.link_to(
-        urls.MODEL_DETAIL, "Model detail: ${__field.labels.model}", "var-model=${__field.labels.model}"
-    )
-    to_gpu = p.link_to(urls.GPU, "GPU: ${__field.labels.Hostname}", "var-host=${__field.labels.Hostname}")
+    model, host, gpu = p.series_label(c.L_MODEL), p.series_label(c.L_HOSTNAME), p.series_label(c.L_GPU)
+    to_model = p.data_link(urls.MODEL_DETAIL, f"Model detail: {model}", ["namespace"], model=model)
+    to_gpu = p.data_link(urls.GPU, f"GPU {gpu} on {host}", host=host, gpu=gpu)
 
     traffic = p.Row(
         "Traffic and errors",

@@ -25,6 +25,10 @@ def _per_gpu(metric: c.Metric) -> str:
 def dashboard(spec: FleetSpec) -> g.Dashboard:
     gpu_mem = spec.alerts.gpu_memory
     low, high = p.GPU_UTIL_BAND
+    host, gpu = p.series_label(c.L_HOSTNAME), p.series_label(c.L_GPU)
+    # GPU -> pod: the same dashboard narrowed to the clicked GPU, whose "GPU memory by pod"
+    # panel then lists the pods holding it.
+    to_pods = p.data_link(NAME, f"Pods on GPU {gpu} of {host}", ["namespace"], host=host, gpu=gpu)
     usage = p.Row(
         "Utilization and memory",
         [
@@ -38,6 +42,7 @@ def dashboard(spec: FleetSpec) -> g.Dashboard:
                 thresholds=p.steps(p.NONE, (low, p.OK), (high, p.NONE)),
                 thresholds_style="area",
                 max_=100,
+                links=[to_pods],
                 w=12,
             ),
             p.timeseries(
@@ -50,6 +55,7 @@ def dashboard(spec: FleetSpec) -> g.Dashboard:
                 thresholds=p.steps(p.NONE, (gpu_mem.threshold, p.BAD)),
                 thresholds_style="line+area",
                 max_=1,
+                links=[to_pods],
                 w=12,
             ),
             p.timeseries(
@@ -58,6 +64,7 @@ def dashboard(spec: FleetSpec) -> g.Dashboard:
                 p.targets((_per_gpu(c.DCGM_FB_USED), LEGEND)),
                 "mbytes",
                 "memory used",
+                links=[to_pods],
                 w=8,
             ),
             p.timeseries(
@@ -84,6 +91,7 @@ def dashboard(spec: FleetSpec) -> g.Dashboard:
                 "percent",
                 "utilization",
                 max_=100,
+                links=[to_pods],
                 w=8,
             ),
         ],
@@ -100,6 +108,7 @@ def dashboard(spec: FleetSpec) -> g.Dashboard:
                 thresholds=p.steps(p.NONE, (85, p.WARN)),
                 thresholds_style="dashed",
                 min_=None,
+                links=[to_pods],
                 w=8,
             ),
             p.timeseries(
@@ -108,6 +117,7 @@ def dashboard(spec: FleetSpec) -> g.Dashboard:
                 p.targets((_per_gpu(c.DCGM_POWER_USAGE), LEGEND)),
                 "watt",
                 "power",
+                links=[to_pods],
                 w=8,
             ),
             p.timeseries(
@@ -119,6 +129,7 @@ def dashboard(spec: FleetSpec) -> g.Dashboard:
                 ),
                 "rotmhz",
                 "clock",
+                links=[to_pods],
                 w=8,
             ),
             p.timeseries(
@@ -131,6 +142,7 @@ def dashboard(spec: FleetSpec) -> g.Dashboard:
                 thresholds=p.steps(p.NONE, (1, p.BAD)),
                 thresholds_style="line",
                 legend_calcs=("lastNotNull", "max"),
+                links=[to_pods],
                 w=12,
             ),
             p.timeseries(

@@ -45,6 +45,7 @@ def dashboard(spec: FleetSpec) -> g.Dashboard:
                 "A second band appearing above the first is a slow path (a canary, a cold cache, a queue).",
                 f"sum by (le) (increase({p.sel(bucket, sel)}[{p.RATE}]))",
                 "s",
+                "latency",
                 w=12,
             ),
             p.timeseries(

@@ -15,11 +15,9 @@ from typing import Any
 from grafanalib import core as g
 
 from dashboards import urls
+from dashboards.tidy import SCHEMA_VERSION
 from inferwatch import contract as c
 
-# Grafana 10 to 12 understand this schema; older schema versions trigger migrations that
-# rewrite panels on load.
-SCHEMA_VERSION = 39
 DS_VAR = "datasource"
 DATASOURCE = {"type": "prometheus", "uid": "${" + DS_VAR + "}"}
 ALL = ".*"  # what "All" means in a regex matcher; also matches series without the label
@@ -191,10 +189,21 @@ def dashed(name: str, color: str) -> dict[str, Any]:
     }
 
 
-def link_to(name: str, title: str, params: str = "") -> dict[str, Any]:
-    """A data link to another inferwatch dashboard, keeping the time range."""
-    query = "&".join(p for p in (params, "${__url_time_range}", "var-datasource=${datasource}") if p)
+def data_link(name: str, title: str, carry: Sequence[str] = (), **variables: str) -> dict[str, Any]:
+    """A data link (``fieldConfig.defaults.links``) to another inferwatch dashboard: offered
+    on a click on a series, where ``${__field.labels.X}`` is the clicked series' label X
+    (a panel link, in the header menu, has no series and never resolves it). ``variables``
+    are set from the series; the dashboard variables in ``carry``, the data source and the
+    time range go along as they are."""
+    params = [f"var-{k}={v}" for k, v in variables.items()]
+    params += ["${" + v + ":queryparam}" for v in (DS_VAR, *carry)]
+    query = "&".join([*params, "${__url_time_range}"])
     return {"title": title, "url": f"{urls.path(name)}?{query}", "targetBlank": False}
+
+
+def series_label(label: str) -> str:
+    """The clicked series' value of ``label``, in a data link."""
+    return "${__field.labels." + label + "}"
 
 
 def dashboard_links(current: str) -> list[g.DashboardLink]:
@@ -260,7 +269,6 @@ def timeseries(
         thresholds=thresholds or steps(OK),
         thresholdsStyleMode=thresholds_style,
         overrides=list(overrides),
-        links=list(links),
         repeat=g.Repeat(direction="h", variable=repeat, maxPerRow=3) if repeat else g.Repeat(),
         stacking={"mode": "normal", "group": "A"} if stack else {"mode": "none", "group": "A"},
         fillOpacity=fill,
@@ -269,31 +277,47 @@ def timeseries(
         tooltipMode="multi",
         tooltipSort="desc",
         maxDataPoints=300,
-        extraJson={"fieldConfig": {"defaults": {"min": min_, "max": max_, "custom": custom}}},
+        extraJson={
+            "fieldConfig": {"defaults": {"min": min_, "max": max_, "custom": custom, "links": list(links)}},
+            "options": {"legend": {"showLegend": True}},
+        },
     )
     return Panel(obj, w, h)
 
 
-def heatmap(title: str, description: str, expr: str, unit: str, w: int = 12, h: int = 8) -> Panel:
-    """A heatmap of pre-bucketed histogram data (one series per ``le``), Grafana 9+ options."""
+def heatmap(
+    title: str, description: str, expr: str, unit: str, axis_label: str, w: int = 12, h: int = 8
+) -> Panel:
+    """A heatmap of pre-bucketed histogram data (one series per ``le``), with the options of
+    the current (non-Angular) heatmap panel; grafanalib's Angular keys go in tidy()."""
     obj = g.Heatmap(
         title=title,
         description=description,
         dataSource=DATASOURCE,
         targets=[target(expr, "{{le}}", fmt="heatmap")],
         thresholds=steps(OK),
-        dataFormat="tsbuckets",
         maxDataPoints=60,
         extraJson={
-            "fieldConfig": {"defaults": {"unit": unit}},
+            "fieldConfig": {"defaults": {"unit": unit}, "overrides": []},
             "options": {
                 "calculate": False,
                 "cellGap": 1,
-                "color": {"mode": "scheme", "scheme": "Oranges", "scale": "exponential", "exponent": 0.5},
-                "yAxis": {"axisPlacement": "left", "unit": unit, "axisLabel": "latency"},
+                "cellValues": {"unit": "short"},
+                "color": {
+                    "mode": "scheme",
+                    "scheme": "Oranges",
+                    "fill": BAD,
+                    "scale": "exponential",
+                    "exponent": 0.5,
+                    "steps": 64,
+                    "reverse": False,
+                },
+                "exemplars": {"color": "rgba(255,0,255,0.7)"},
+                "yAxis": {"axisPlacement": "left", "unit": unit, "axisLabel": axis_label, "reverse": False},
                 "rowsFrame": {"layout": "le"},
-                "tooltip": {"show": True, "yHistogram": True},
+                "tooltip": {"mode": "single", "yHistogram": True, "showColorScale": False},
                 "legend": {"show": True},
+                "showValue": "never",
                 "filterValues": {"le": 1e-9},
             },
         },
@@ -320,7 +344,15 @@ def table(
         thresholds=steps(OK),
         unit=unit,
         extraJson={
-            "options": {"cellHeight": "sm", "footer": {"show": False}},
+            "fieldConfig": {
+                "defaults": {"custom": {"align": "auto", "cellOptions": {"type": "auto"}, "inspect": False}}
+            },
+            "options": {
+                "cellHeight": "sm",
+                "frameIndex": 0,
+                "showHeader": True,
+                "footer": {"show": False, "reducer": ["sum"], "countRows": False},
+            },
             "transformations": [
                 {
                     "id": "organize",

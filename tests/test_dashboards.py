@@ -308,19 +308,71 @@ def test_alerts_firing_now_panel() -> None:
     assert panel["targets"][0]["expr"] == 'ALERTS{alertstate="firing"}'
 
 
+FIELD_LABEL_RE = re.compile(r"\$\{__field\.labels\.(\w+)\}")
+# Drill-downs: (dashboard, panel title) -> the dashboard its series link to.
+DRILL_DOWNS = {
+    **{
+        (urls.FLEET_OVERVIEW, title): urls.MODEL_DETAIL
+        for title in (
+            "Request rate by model",
+            "Server-error ratio by model",
+            "Timeout ratio by model",
+            "P99 latency / SLA by model",
+            "Requests in flight by model",
+        )
+    },
+    (urls.FLEET_OVERVIEW, "GPU framebuffer used by GPU"): urls.GPU,
+    **{
+        (urls.GPU, title): urls.GPU  # GPU -> its pods ("GPU memory by pod" narrowed to it)
+        for title in (
+            "GPU utilization",
+            "Framebuffer used / total",
+            "Framebuffer used",
+            "Memory copy utilization",
+            "Temperature",
+            "Power draw",
+            "Clocks",
+            "Last XID error",
+        )
+    },
+}
+
+
 def test_links_between_dashboards_resolve() -> None:
     paths = {urls.path(n) for n in BUILT}
     for name, dash in BUILT.items():
         linked = {link["url"] for link in dash["links"]}
         assert linked == paths - {urls.path(name)}
         assert all(link["includeVars"] and link["keepTime"] for link in dash["links"])
+
+
+def test_drill_downs_are_data_links_on_the_clicked_series() -> None:
+    """Every drill-down is a data link (fieldConfig.defaults.links, offered on a click on a
+    series), to an existing dashboard, setting only variables that dashboard defines, from
+    labels every series of the panel carries, with the time range and data source kept."""
+    found = {}
+    for name, dash in BUILT.items():
         for panel in live.panels(dash):
-            for link in panel.get("links", []):
-                assert link["url"].split("?")[0] in paths, link
-    # Per-model panels of the overview link to the model's detail.
+            assert not panel.get("links"), f"{panel['title']}: panel links; drill-downs are data links"
+            for link in panel["fieldConfig"]["defaults"].get("links", []):
+                path, query = link["url"].split("?", 1)
+                (target,) = [n for n in BUILT if urls.path(n) == path]
+                found[(name, panel["title"])] = target
+                params = query.split("&")
+                assert "${__url_time_range}" in params and "${datasource:queryparam}" in params, link
+                set_vars = {p.split("=", 1)[0].removeprefix("var-") for p in params if p.startswith("var-")}
+                carried = {m.group(1) for p in params if (m := re.fullmatch(r"\$\{(\w+):queryparam\}", p))}
+                assert set_vars | carried <= defined_variables(BUILT[target]), link
+                labels = set(FIELD_LABEL_RE.findall(link["url"]))
+                assert labels, link
+                for t in panel["targets"]:
+                    assert all("{{" + label + "}}" in t["legendFormat"] for label in labels), (
+                        f"{panel['title']}: series without {labels}"
+                    )
+    assert found == DRILL_DOWNS
     rate = _panel(BUILT[urls.FLEET_OVERVIEW], "Request rate by model")
-    assert rate["links"][0]["url"].startswith(
-        urls.path(urls.MODEL_DETAIL) + "?var-model=${__field.labels.model}"
+    assert rate["fieldConfig"]["defaults"]["links"][0]["url"].startswith(
+        urls.path(urls.MODEL_DETAIL) + "?var-model=${__field.labels.model}&"
     )
 
 
