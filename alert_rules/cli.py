@@ -226,8 +226,8 @@ def _register_pager(sub: argparse._SubParsersAction) -> None:
         description=(
             "Receive Alertmanager webhook notifications (payload version 4) at POST /webhook, "
             "authenticated by a bearer token; store each in SQLite before answering; list pages at "
-            "GET /pages (JSON; filters status, severity, alertname, model, receiver, limit) and GET / "
-            "(HTML). Runs until SIGTERM or Ctrl-C."
+            "GET /pages (JSON; filters status, severity, alertname, model, version, receiver; limit, "
+            "offset) and GET / (HTML). Runs until SIGTERM or Ctrl-C."
         ),
     )
     pager.add_argument("--host", default="127.0.0.1", help="address to bind (default: %(default)s)")
@@ -236,6 +236,19 @@ def _register_pager(sub: argparse._SubParsersAction) -> None:
     pager.add_argument(
         "--token-file",
         help="file holding the bearer token Alertmanager sends (default: $INFERWATCH_PAGER_TOKEN)",
+    )
+    pager.add_argument(
+        "--read-token-file",
+        help=(
+            "file holding a second, read-only token that GET / and /pages then require, as a bearer "
+            "token or a Basic-auth password (default: $INFERWATCH_PAGER_READ_TOKEN; unset: reads are open)"
+        ),
+    )
+    pager.add_argument(
+        "--header-timeout",
+        type=float,
+        default=10.0,
+        help="seconds a client gets to send a request's headers (default: %(default)s)",
     )
     pager.set_defaults(func=_pager)
 
