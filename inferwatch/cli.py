@@ -11,7 +11,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from inferwatch import __version__
 
@@ -67,6 +67,19 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
     return parser
 
 
+def run(command: Callable[[], int | None]) -> int:
+    """Run a command the way every inferwatch entry point does (``inferwatch``, ``python -m
+    sidecar``, ``python -m exporters``): its exit code; a CliError as one line on stderr, no
+    traceback; Ctrl-C as 130."""
+    try:
+        return int(command() or 0)
+    except CliError as exc:
+        print(f"inferwatch: error: {exc}", file=sys.stderr)
+        return exc.code
+    except KeyboardInterrupt:
+        return 130
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     parser = build_parser(argv[0] if argv else None)
@@ -74,13 +87,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if not getattr(args, "func", None):
         parser.print_help()
         return EXIT_USAGE
-    try:
-        return int(args.func(args) or 0)
-    except CliError as exc:
-        print(f"inferwatch: error: {exc}", file=sys.stderr)
-        return exc.code
-    except KeyboardInterrupt:
-        return 130
+    return run(lambda: args.func(args))
 
 
 if __name__ == "__main__":

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from inferwatch.cli import CliError
+from inferwatch.cli import run
 from sidecar import config as cfg
 from sidecar.main import _config, serve_config
 
@@ -17,13 +17,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     cfg.add_arguments(parser)
     args = parser.parse_args(argv)
-    try:
-        return serve_config(_config(args))
-    except CliError as exc:
-        print(f"inferwatch: error: {exc}", file=sys.stderr)
-        return exc.code
-    except KeyboardInterrupt:
-        return 130
+    return run(lambda: serve_config(_config(args)))
 
 
 if __name__ == "__main__":

@@ -68,3 +68,34 @@ def test_errors_are_one_line_under_python_dash_m(tmp_path) -> None:
             f"inferwatch: error: {tmp_path / 'missing.yaml'}: no such file "
             "(pass the fleet spec with --spec, e.g. fleet.yaml)"
         ]
+
+
+def test_every_entry_point_reports_errors_the_same_way(tmp_path) -> None:
+    """``inferwatch.cli.run`` is the one exit path: a CliError is one line, no traceback."""
+    import sys
+
+    missing = tmp_path / "missing.yaml"
+    cases = [
+        (["-m", "sidecar", "--spec", str(missing)], f"inferwatch: error: {missing}: no such file"),
+        (["-m", "exporters", "--backend", "simulated", "--port", "99999"], "inferwatch: error: --port"),
+    ]
+    for argv, start in cases:
+        proc = subprocess.run([sys.executable, *argv], capture_output=True, text=True, timeout=60)
+        assert proc.returncode == 2, proc.stderr
+        lines = proc.stderr.strip().splitlines()
+        assert len(lines) == 1 and lines[0].startswith(start), proc.stderr
+
+
+def test_run_maps_errors_and_interrupts_to_exit_codes(capsys) -> None:
+    from inferwatch.cli import CliError, run
+
+    def fails() -> int:
+        raise CliError("bad thing", 3)
+
+    def interrupted() -> int:
+        raise KeyboardInterrupt
+
+    assert run(lambda: None) == 0 and run(lambda: 4) == 4
+    assert run(fails) == 3
+    assert capsys.readouterr().err == "inferwatch: error: bad thing\n"
+    assert run(interrupted) == 130
