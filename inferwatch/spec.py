@@ -165,6 +165,13 @@ class Sidecar(_Strict):
     max_models: int = Field(100, ge=1, le=10000, description="cap on distinct model label values")
 
 
+class Silences(_Strict):
+    """``inferwatch silence add``: a silence longer than this is refused (a forgotten
+    silence hides the next real incident)."""
+
+    max_duration: Duration = "7d"
+
+
 class FleetSpec(_Strict):
     version: Literal[1] = 1
     defaults: Defaults = Defaults()
@@ -174,6 +181,7 @@ class FleetSpec(_Strict):
     routing: Routing = Routing()
     links: Links = Links()
     sidecar: Sidecar = Sidecar()
+    silences: Silences = Silences()
 
     @model_validator(mode="after")
     def _unique_models(self) -> FleetSpec:
