@@ -100,6 +100,12 @@ class RulesConfig:
             (spec.links.grafana_url, "links.grafana_url"),
             (spec.prometheus.scrape_interval, "prometheus.scrape_interval"),
         ):
+    # canary (warning): versions of a model against each other
+    canary_window: str
+    canary_min_requests: int
+    canary_max_error_increase: float
+    canary_max_latency_increase: float
+    canary_for: str
             _required(value, name)
         slos = tuple(
             SloTarget(m.name, m.slo.objective, m.slo.period, duration_seconds(m.slo.period))
@@ -135,3 +141,8 @@ class RulesConfig:
     def quantile_name(self) -> str:
         """``P99`` for 0.99, ``P99.9`` for 0.999."""
         return f"P{self.latency_quantile * 100:g}"
+            canary_window=spec.canary.window,
+            canary_min_requests=spec.canary.min_requests,
+            canary_max_error_increase=spec.canary.max_error_ratio_increase,
+            canary_max_latency_increase=spec.canary.max_latency_increase,
+            canary_for=spec.canary.for_,

@@ -11,7 +11,7 @@ from pathlib import Path
 from string import Template
 
 from alert_rules.config import RulesConfig
-from alert_rules.groups import errors, gpu, health, latency, slo
+from alert_rules.groups import canary, errors, gpu, health, latency, slo
 from inferwatch import contract as c
 from inferwatch.spec import FleetSpec
 
@@ -60,6 +60,13 @@ def values(spec: FleetSpec) -> dict[str, str]:
             if first_slo
             else "(no SLO in spec)"
         ),
+        "canary_window": cfg.canary_window,
+        "canary_min_requests": str(cfg.canary_min_requests),
+        "canary_max_error_increase": f"{cfg.canary_max_error_increase:g}",
+        "canary_max_error_points": f"{cfg.canary_max_error_increase * 100:g}",
+        "canary_max_latency_increase": f"{cfg.canary_max_latency_increase:g}",
+        "canary_for": cfg.canary_for,
+        "canary_expr": canary.alert_expr(cfg),
         "slo_models": ", ".join(f"{s.model} ({s.objective:.3%} over {s.period})" for s in cfg.slos) or "none",
     }
 

@@ -34,6 +34,7 @@ COMMANDS: dict[str, str] = {
     "dashboards": "dashboards.cli",
     "up": "inferwatch.stack.cli",
     "demo": "inferwatch.stack.cli",
+    "canary": "inferwatch.canary.cli",
 }
 COMMAND_MODULES = list(dict.fromkeys(COMMANDS.values()))
 

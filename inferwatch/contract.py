@@ -402,13 +402,17 @@ JOB_SIDECAR = "inferwatch-sidecar"
 JOB_TRITON = "triton"
 JOB_GPU_EXPORTER = "gpu-exporter"
 JOBS = (JOB_SIDECAR, JOB_TRITON, JOB_GPU_EXPORTER)
+# A version worse than another version of the same model by the spec's canary margins.
+ALERT_CANARY_REGRESSION = "InferenceCanaryRegression"
 
 # ---------------------------------------------------------------------------------------
 # Recording rules (alert_rules/generated/); dashboards query these names. Windows come
 # from the fleet spec, so the names carry none; see alert_rules/README.md.
 # ---------------------------------------------------------------------------------------
 L_QUANTILE = "quantile"  # on REC_LATENCY_QUANTILE: "0.99" (alerts.latency.quantile) and "0.5"
+    ALERT_CANARY_REGRESSION: SEVERITY_WARNING,
 L_WINDOW = "window"  # on REC_SLO_ERROR_RATIO: the window the ratio covers ("5m", "1h", ...)
+L_CHECK = "check"  # on ALERT_CANARY_REGRESSION: which comparison failed ("errors" or "latency")
 L_SLO_PERIOD = "slo_period"  # on SLO series: the objective's period ("30d")
 # Requests/s per model and version over alerts.error_rate.window.
 REC_REQUEST_RATE = "model_version:inferwatch_requests:rate"
@@ -440,3 +444,9 @@ RECORDING_RULES = (
 # Series names that are not metric families of a component but may appear in generated
 # files (recording rules add theirs here).
 EXTRA_SERIES: frozenset[str] = frozenset(RECORDING_RULES)
+# Canary comparison (canary.window of the spec), only for versions with at least
+# canary.min_requests requests (the error ratio) or successful requests (the quantile).
+REC_CANARY_ERROR_RATIO = "model_version:inferwatch_canary_server_errors:ratio"
+REC_CANARY_LATENCY_QUANTILE = "model_version:inferwatch_canary_request_duration_seconds:quantile"
+    REC_CANARY_ERROR_RATIO,
+    REC_CANARY_LATENCY_QUANTILE,

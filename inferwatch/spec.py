@@ -161,6 +161,23 @@ class Links(_Strict):
     grafana_url: str = "http://localhost:3000"
 
 
+class Canary(_Strict):
+    """Canary analysis (``inferwatch canary``, the InferenceCanaryRegression alert, the Argo
+    Rollouts and Flagger templates): how much worse than its baseline a canary may be."""
+
+    window: Duration = "10m"
+    min_requests: int = Field(200, ge=1, description="per version in the window; fewer: inconclusive")
+    confidence: float = Field(0.99, gt=0.5, lt=1, description="of the one-sided tests (CLI only)")
+    max_error_ratio_increase: float = Field(0.01, ge=0, lt=1, description="absolute, 0.01 = 1 point")
+    max_latency_increase: float = Field(
+        0.5, gt=0, description="P50/P99 increase allowed, as a fraction of the model's latency SLA"
+    )
+    max_token_latency_increase: float = Field(
+        0.2, gt=0, description="TTFT/TPOT P50/P99 increase allowed, as a fraction of the baseline's"
+    )
+    for_: Duration = Field("5m", alias="for", description="how long the alert's condition must hold")
+
+
 class Sidecar(_Strict):
     max_models: int = Field(100, ge=1, le=10000, description="cap on distinct model label values")
 
@@ -182,6 +199,7 @@ class FleetSpec(_Strict):
     links: Links = Links()
     sidecar: Sidecar = Sidecar()
     silences: Silences = Silences()
+    canary: Canary = Canary()
 
     @model_validator(mode="after")
     def _unique_models(self) -> FleetSpec:

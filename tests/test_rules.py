@@ -34,7 +34,14 @@ def run(cmd: list[str], **kw) -> subprocess.CompletedProcess[str]:
 def test_promtool_check_rules_passes_on_every_generated_file() -> None:
     files = generate.rule_files(GENERATED)
     assert [f.name for f in files] == sorted(
-        ["errors.rules.yml", "latency.rules.yml", "gpu.rules.yml", "slo.rules.yml", "health.rules.yml"]
+        [
+            "errors.rules.yml",
+            "latency.rules.yml",
+            "gpu.rules.yml",
+            "slo.rules.yml",
+            "health.rules.yml",
+            "canary.rules.yml",
+        ]
     )
     proc = run(["promtool", "check", "rules", *map(str, files)])
     assert proc.returncode == 0, proc.stdout + proc.stderr

@@ -5,6 +5,6 @@
 
 from __future__ import annotations
 
-from alert_rules.groups import errors, gpu, health, latency, slo
+from alert_rules.groups import canary, errors, gpu, health, latency, slo
 
-GROUPS = (errors, latency, gpu, slo, health)
+GROUPS = (errors, latency, gpu, slo, health, canary)
