@@ -28,7 +28,6 @@ fixed, counted answer: RESOURCE_EXHAUSTED. User documentation: ``sidecar/GRPC.md
 from __future__ import annotations
 
 import asyncio
-import collections
 import logging
 from collections.abc import AsyncIterator, Callable
 from typing import Any
@@ -37,39 +36,21 @@ import grpc
 import grpc.aio
 
 from inferwatch.contract import MODEL_NONE, PROTOCOL_GRPC
+from sidecar.grpc_methods import (
+    EXTRA_UNARY_PATHS,
+    SERVICE,
+    STREAM_FIELDS,
+    STREAM_METHOD,
+    UNARY_METHODS,
+    span_attributes,
+    stream_error_code,
+    upstream_target,
+)
+from sidecar.grpc_streams import StreamMatcher
 from sidecar.grpc_wire import WireError, read_strings, stream_response_info
 from sidecar.telemetry import UPSTREAM_GRPC
 
 log = logging.getLogger("inferwatch.sidecar.grpc")
-
-SERVICE = "inference.GRPCInferenceService"
-
-# Method -> (model-name field, version field) of its request message, from the KServe v2 /
-# Triton grpc_service.proto; 0 means the message has no such field (server-level methods).
-UNARY_METHODS: dict[str, tuple[int, int]] = {
-    "ServerLive": (0, 0),
-    "ServerReady": (0, 0),
-    "ModelReady": (1, 2),
-    "ServerMetadata": (0, 0),
-    "ModelMetadata": (1, 2),
-    "ModelInfer": (1, 2),
-    "ModelConfig": (1, 2),
-    "ModelStatistics": (1, 2),
-    "RepositoryIndex": (0, 0),
-    "RepositoryModelLoad": (2, 0),  # repository_name = 1, model_name = 2
-    "RepositoryModelUnload": (2, 0),
-    "SystemSharedMemoryStatus": (0, 0),
-    "SystemSharedMemoryRegister": (0, 0),
-    "SystemSharedMemoryUnregister": (0, 0),
-    "CudaSharedMemoryStatus": (0, 0),
-    "CudaSharedMemoryRegister": (0, 0),
-    "CudaSharedMemoryUnregister": (0, 0),
-    "TraceSetting": (2, 0),  # settings = 1, model_name = 2
-    "LogSettings": (0, 0),
-}
-STREAM_METHOD = "ModelStreamInfer"  # ModelInferRequest in, ModelStreamInferResponse out
-# Unary methods of other services that Triton serves: proxied like the service's own.
-EXTRA_UNARY_PATHS = ("/grpc.health.v1.Health/Check",)
 
 # Metadata that must not be copied onto the upstream call: gRPC sets these itself.
 _DROP_METADATA = frozenset({"user-agent", "te", "content-type", "grpc-timeout", "grpc-encoding"})
@@ -80,32 +61,6 @@ _CANCELLED = grpc.StatusCode.CANCELLED
 _DEADLINE = grpc.StatusCode.DEADLINE_EXCEEDED
 _INTERNAL = grpc.StatusCode.INTERNAL
 _EXHAUSTED = grpc.StatusCode.RESOURCE_EXHAUSTED
-
-# Triton drops the status code of an error inside ModelStreamInfer and sends only its message
-# (unless the client asks for ``triton_grpc_error``, which ends the stream with the real
-# status). These prefixes are the messages Triton writes for the client's own mistakes; any
-# other in-stream error is the server's.
-STREAM_CLIENT_ERRORS: tuple[tuple[str, str], ...] = (
-    ("Request for unknown model", "NOT_FOUND"),
-    ("unexpected inference input", "INVALID_ARGUMENT"),
-    ("unexpected inference output", "INVALID_ARGUMENT"),
-    ("expected ", "INVALID_ARGUMENT"),
-    ("unexpected shape", "INVALID_ARGUMENT"),
-    ("inference input", "INVALID_ARGUMENT"),
-    ("input byte size mismatch", "INVALID_ARGUMENT"),
-    ("unexpected explicit tensor data", "INVALID_ARGUMENT"),
-)
-
-
-def stream_error_code(message: str) -> str:
-    """The gRPC code name an in-stream error message stands for (see STREAM_CLIENT_ERRORS)."""
-    # Triton prefixes request errors with "[request id: <id>] ".
-    if message.startswith("[request id:"):
-        message = message.partition("] ")[2]
-    for prefix, code in STREAM_CLIENT_ERRORS:
-        if message.startswith(prefix):
-            return code
-    return _INTERNAL.name
 
 
 def forwarded_metadata(metadata: Any) -> tuple[tuple[str, str | bytes], ...]:
@@ -129,12 +84,6 @@ def with_traceparent(metadata: Metadata, traceparent: str | None) -> Metadata:
     if traceparent is None:
         return metadata
     return (*(kv for kv in metadata if kv[0] != _TRACEPARENT), (_TRACEPARENT, traceparent))
-
-
-def span_attributes(method: str) -> tuple[str, dict[str, str]]:
-    """Span name and attributes for one method, per the OpenTelemetry RPC conventions."""
-    service, _, name = method.lstrip("/").rpartition("/")
-    return f"{service}/{name}", {"rpc.service": service, "rpc.method": name}
 
 
 class GrpcProxy:
@@ -362,47 +311,28 @@ class GrpcProxy:
             metadata = forwarded_metadata(context.invocation_metadata())
             traceparent = traceparent_of(metadata)
             call = upstream(timeout=self._timeout_for(context), metadata=metadata)
-            # request id -> (observation, request bytes) awaiting their response, oldest first.
-            pending: dict[str, collections.deque] = {}
-            open_count = 0
+            streams = StreamMatcher()  # requests awaiting their response
 
             async def pump() -> None:
-                nonlocal open_count
                 async for msg in requests:
                     try:
-                        model, version, rid = read_strings(msg, 1, 2, 3)
+                        model, version, rid = read_strings(msg, *STREAM_FIELDS)
                     except WireError:
                         model = version = rid = ""
-                    obs = tel.begin(model, version, PROTOCOL_GRPC, traceparent, span_name, attributes)
-                    queue = pending.get(rid)
-                    if queue is None:
-                        queue = pending[rid] = collections.deque()
-                    queue.append((obs, len(msg)))
-                    open_count += 1
+                    streams.add(
+                        rid,
+                        tel.begin(model, version, PROTOCOL_GRPC, traceparent, span_name, attributes),
+                        len(msg),
+                    )
                     if call.done():
                         break
                     await call.write(msg)
                 await call.done_writing()
 
-            def take(rid: str) -> tuple[Any, int] | None:
-                nonlocal open_count
-                queue = pending.get(rid)
-                if not queue:
-                    return None
-                entry = queue.popleft()
-                if not queue:
-                    del pending[rid]
-                open_count -= 1
-                return entry
-
             def close_all(code: grpc.StatusCode) -> None:
-                nonlocal open_count
                 name, outcome = codes[code]
-                for queue in pending.values():
-                    for obs, size in queue:
-                        tel.end(obs, name, outcome, size, 0)
-                pending.clear()
-                open_count = 0
+                for obs, size in streams.drain():
+                    tel.end(obs, name, outcome, size, 0)
 
             pumper = asyncio.create_task(pump())
             first = True
@@ -415,18 +345,14 @@ class GrpcProxy:
                         error, _model, rid, final = stream_response_info(resp)
                     except WireError:
                         error, rid, final = "", "", None
-                    if final is not False:  # a decoupled model's non-final response closes nothing
-                        entry = take(rid)
-                        if entry is None and error and open_count:
-                            # An error that names no open request: the oldest one failed.
-                            entry = take(next(iter(pending)))
-                        if entry is not None:
-                            obs, size = entry
-                            if error:
-                                name = stream_error_code(error)
-                                tel.end(obs, name, tel.outcome_for_grpc(name), size, len(resp))
-                            else:
-                                tel.end(obs, ok_name, ok_outcome, size, len(resp))
+                    entry = streams.take(rid, bool(error), final)
+                    if entry is not None:
+                        obs, size = entry
+                        if error:
+                            name = stream_error_code(error)
+                            tel.end(obs, name, tel.outcome_for_grpc(name), size, len(resp))
+                        else:
+                            tel.end(obs, ok_name, ok_outcome, size, len(resp))
                     await context.write(resp)
                 code = await call.code()
             except grpc.aio.AioRpcError as exc:
@@ -535,11 +461,6 @@ class _Router(grpc.GenericRpcHandler):
         method = handler_call_details.method
         handler = self._handlers.get(method)
         return handler if handler is not None else self._fallback(method)
-
-
-def upstream_target(address: tuple[str, int]) -> str:
-    host, port = address
-    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
 
 
 ENGINES = ("relay", "aio")

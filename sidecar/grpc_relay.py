@@ -8,29 +8,33 @@ metrics need:
 - **SETTINGS** are forwarded with ``SETTINGS_HEADER_TABLE_SIZE = 0`` in both directions, so
   both encoders switch their HPACK dynamic table off after the handshake (RFC 7541 4.2). Every
   header block after that is self-contained: the relay parses it without state, and may drop
-  or append a header field without desynchronising the two ends. Until an encoder has switched
-  (its first blocks, before it saw our SETTINGS), ``hpack``'s full decoder follows it and the
-  relay forwards those blocks untouched.
-- **HEADERS** from the client: ``:path`` (the method) and ``grpc-timeout``; the relay adds
-  ``grpc-timeout`` when the client set none or a longer one (the per-request timeout), so the
-  upstream enforces both deadlines. From the upstream: ``grpc-status`` in the trailers closes
-  the observation with that code.
+  or append a header field without desynchronising the two ends. A client's blocks from before
+  it switched (its first calls, sent before the SETTINGS exchange) are decoded by ``hpack``'s
+  full decoder and written again without any table, so they are edited like the others. The
+  upstream's first blocks are only read.
+- **HEADERS** from the client: ``:path`` (the method), ``grpc-timeout`` and ``traceparent``; the
+  relay adds ``grpc-timeout`` when the client set none or a longer one (the per-request
+  timeout), so the upstream enforces both deadlines. With tracing on, a unary call's headers
+  wait for the first bytes of its message (a client writes them together) so the sidecar's span
+  is started with its model and its context replaces the client's ``traceparent``: the model
+  server's span is the sidecar span's child. From the upstream: ``grpc-status`` in the
+  trailers closes the observation with that code.
 - **DATA**: the first bytes of each gRPC message (model name, version, request id: fields 1-3,
   ``sidecar.grpc_wire``); the rest is forwarded without a look. For ``ModelStreamInfer`` every
-  message on both sides is observed, as in ``sidecar.grpc_proxy``.
-- **RST_STREAM**: a client's cancel goes upstream as it is, so the upstream stops working.
+  message on both sides is observed (``sidecar.grpc_streams``).
+- **RST_STREAM**: a client's cancel goes upstream as it is, so the upstream stops working. An
+  upstream's REFUSED_STREAM (never processed; gRPC clients retry it) keeps the call's
+  observation for a moment, and the retry closes it, so the call is counted once.
 
 Flow control, PING, PRIORITY and GOAWAY pass through untouched, so the two ends negotiate
 with each other. The relay synthesises frames only where it must answer itself, always with
 stateless header representations: the upstream cannot be reached (every call gets
 UNAVAILABLE, then GOAWAY so the client reconnects), it dropped the connection (open calls get
-UNAVAILABLE trailers), or the in-flight limit or the message-size limit refuses a call
-(RESOURCE_EXHAUSTED).
+UNAVAILABLE trailers), the in-flight limit or the message-size limit refuses a call
+(RESOURCE_EXHAUSTED), or the relay itself failed (INTERNAL, then GOAWAY and close; logged).
 
-Counting is the same contract as ``sidecar.grpc_proxy``. One difference: the upstream receives
-the client's ``traceparent`` unchanged, so with tracing on the sidecar's span and the model
-server's are siblings under the client's span (the gRPC relay never re-encodes headers to
-replace it).
+Counting is the same contract as ``sidecar.grpc_proxy``. HTTP/2 framing and HPACK live in
+``sidecar.h2``, the method table in ``sidecar.grpc_methods``.
 """
 
 from __future__ import annotations
@@ -38,6 +42,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import logging
+import socket
 import struct
 import time
 from typing import Any
@@ -45,57 +50,81 @@ from typing import Any
 import hpack
 
 from inferwatch.contract import MODEL_NONE, PROTOCOL_GRPC
-from sidecar.grpc_proxy import (
+from sidecar.grpc_methods import (
+    CODE_NAMES,
     SERVICE,
+    STREAM_FIELDS,
     STREAM_METHOD,
     UNARY_METHODS,
     span_attributes,
     stream_error_code,
     upstream_target,
 )
-from sidecar.grpc_wire import read_strings, stream_response_info
+from sidecar.grpc_streams import StreamMatcher
+from sidecar.grpc_wire import (
+    MessageScanner,
+    grpc_timeout_seconds,
+    grpc_timeout_value,
+    read_strings,
+    stream_response_info,
+)
+from sidecar.h2 import (
+    ACK,
+    CANCEL,
+    CONTINUATION,
+    DATA,
+    END_HEADERS,
+    END_STREAM,
+    GOAWAY,
+    HEADERS,
+    INTERNAL_ERROR,
+    MAX_STREAM_ID,
+    NO_ERROR,
+    PADDED,
+    PING,
+    PREFACE,
+    REFUSED_STREAM,
+    RST_STREAM,
+    SETTINGS,
+    SETTINGS_HEADER_TABLE_SIZE,
+    WINDOW_UPDATE,
+    HeaderReader,
+    HpackError,
+    block_of,
+    encode_stateless,
+    frame,
+    header_frames,
+    literal,
+    parse_block,
+    settings_without_table,
+)
 from sidecar.telemetry import GRPC_CODES, UPSTREAM_GRPC
 
 log = logging.getLogger("inferwatch.sidecar.grpc")
 
-PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n"
-# Frame types and flags (RFC 9113).
-DATA, HEADERS, PRIORITY, RST_STREAM, SETTINGS, PUSH_PROMISE, PING, GOAWAY, WINDOW_UPDATE, CONTINUATION = (
-    range(10)
-)
-END_STREAM = ACK = 0x1
-END_HEADERS = 0x4
-PADDED = 0x8
-PRIORITY_FLAG = 0x20
-# Error codes.
-NO_ERROR, PROTOCOL_ERROR, CANCEL, REFUSED_STREAM = 0x0, 0x1, 0x8, 0x7
-SETTINGS_HEADER_TABLE_SIZE = 1
-MAX_STREAM_ID = 0x7FFFFFFF
 # Seconds a connection stays open after the relay's own GOAWAY (the client closes it sooner).
 LINGER_S = 2.0
 # Seconds between TCP probes of the upstream while it is up / down.
 PROBE_UP_S, PROBE_DOWN_S = 5.0, 0.5
-# Bytes of each gRPC message read for its fields (names and ids come first).
-HEAD_BYTES = 512
+# Client bytes held for the upstream (not yet connected, or behind a header block that waits
+# for its message) before the relay stops reading the client.
+MAX_HELD_BYTES = 4 * 1024 * 1024
+# Seconds the observation of a call refused by the upstream (REFUSED_STREAM) waits for the
+# client's retry (gRPC retries such a call at once); then it is counted UNAVAILABLE.
+RETRY_WAIT_S = 1.0
 
-_CODE_NAMES = {v: k for k, v in GRPC_CODES.items()}
+OK, CANCELLED, UNKNOWN, INTERNAL = "OK", "CANCELLED", "UNKNOWN", "INTERNAL"
+UNAVAILABLE, DEADLINE_EXCEEDED, RESOURCE_EXHAUSTED = "UNAVAILABLE", "DEADLINE_EXCEEDED", "RESOURCE_EXHAUSTED"
 # gRPC over HTTP: a non-200 answer without grpc-status maps to a code (gRPC's http-grpc-status-mapping).
-_HTTP_TO_GRPC = {400: "INTERNAL", 401: "UNAUTHENTICATED", 403: "PERMISSION_DENIED", 404: "UNIMPLEMENTED"}
+_HTTP_TO_GRPC = {400: INTERNAL, 401: "UNAUTHENTICATED", 403: "PERMISSION_DENIED", 404: "UNIMPLEMENTED"}
 _HTTP_UNAVAILABLE = frozenset({429, 502, 503, 504})
+# An upstream's RST_STREAM error code -> the call's code.
+_RESET_CODES = {CANCEL: CANCELLED, REFUSED_STREAM: UNAVAILABLE}
 
-_STATIC = hpack.table.HeaderTable.STATIC_TABLE  # RFC 7541 Appendix A, 1-based in the protocol
 _PATH, _STATUS = b":path", b":status"
 _TIMEOUT, _GRPC_STATUS, _TRACEPARENT = b"grpc-timeout", b"grpc-status", b"traceparent"
 _REQUEST_FIELDS = frozenset({_PATH, _TIMEOUT, _TRACEPARENT})
 _RESPONSE_FIELDS = frozenset({_STATUS, _GRPC_STATUS})
-_TIMEOUT_UNITS = {
-    ord("H"): 3600.0,
-    ord("M"): 60.0,
-    ord("S"): 1.0,
-    ord("m"): 1e-3,
-    ord("u"): 1e-6,
-    ord("n"): 1e-9,
-}
 
 # Span name and attributes per method path, built once.
 _SPANS: dict[str, tuple[str, dict[str, str]]] = {}
@@ -104,220 +133,28 @@ _SPANS: dict[str, tuple[str, dict[str, str]]] = {}
 _UNARY, _STREAM, _OTHER = 0, 1, 2
 
 
-class HpackError(ValueError):
-    """A header block the stateless reader cannot take (the peer still uses its dynamic table)."""
-
-
-def _int(buf: bytes, pos: int, prefix: int) -> tuple[int, int]:
-    """An HPACK integer with an N-bit prefix starting at ``pos`` (RFC 7541 5.1)."""
-    mask = (1 << prefix) - 1
-    value = buf[pos] & mask
-    pos += 1
-    if value < mask:
-        return value, pos
-    shift = 0
-    while True:
-        b = buf[pos]
-        pos += 1
-        value += (b & 0x7F) << shift
-        if b < 0x80:
-            return value, pos
-        shift += 7
-        if shift > 28:
-            raise HpackError("integer too long")
-
-
-def _string(buf: bytes, pos: int) -> tuple[bytes, int]:
-    huffman = buf[pos] & 0x80
-    length, pos = _int(buf, pos, 7)
-    end = pos + length
-    if end > len(buf):
-        raise HpackError("string past the end of the block")
-    raw = bytes(buf[pos:end])
-    return (hpack.huffman_table.decode_huffman(raw) if huffman else raw), end
-
-
-def parse_block(block: bytes, wanted: frozenset[bytes] | None = None) -> list[tuple[bytes, bytes, int, int]]:
-    """(name, value, start, end) of each field of a header block that uses no dynamic table.
-
-    With ``wanted``, only those fields are returned (the others are stepped over without
-    decoding their values). Raises HpackError on a reference to the dynamic table or a table
-    size above 0.
-    """
-    out = []
-    pos, end = 0, len(block)
-    static = _STATIC
-    try:
-        while pos < end:
-            start = pos
-            b = block[pos]
-            if b & 0x80:  # indexed field
-                index = b & 0x7F
-                pos += 1
-                if not 0 < index <= len(static):
-                    raise HpackError(f"dynamic table index {index}")
-                name, value = static[index - 1]
-                if wanted is None or name in wanted:
-                    out.append((name, value, start, pos))
-                continue
-            if b & 0xE0 == 0x20:  # dynamic table size update
-                size, pos = _int(block, pos, 5)
-                if size:
-                    raise HpackError("dynamic table switched on")
-                continue
-            # Literal: with incremental indexing (01), without (0000) or never indexed (0001).
-            index, pos = _int(block, pos, 6 if b & 0x40 else 4)
-            if index:
-                if index > len(static):
-                    raise HpackError(f"dynamic table index {index}")
-                name = static[index - 1][0]
-            elif block[pos] < 0x7F:  # short raw name: the common case, read in place
-                n = block[pos]
-                name = bytes(block[pos + 1 : pos + 1 + n])
-                pos += 1 + n
-            else:
-                name, pos = _string(block, pos)
-            if wanted is not None and name not in wanted:
-                vlen, pos = _int(block, pos, 7)
-                pos += vlen
-                if pos > end:
-                    raise HpackError("string past the end of the block")
-                continue
-            value, pos = _string(block, pos)
-            out.append((name, value, start, pos))
-    except IndexError:
-        raise HpackError("truncated header block") from None
-    return out
-
-
-def _hpack_int(value: int, prefix: int, first: int) -> bytes:
-    mask = (1 << prefix) - 1
-    if value < mask:
-        return bytes([first | value])
-    out = bytearray([first | mask])
-    value -= mask
-    while value >= 0x80:
-        out.append((value & 0x7F) | 0x80)
-        value >>= 7
-    out.append(value)
-    return bytes(out)
-
-
-def literal(name: bytes, value: bytes) -> bytes:
-    """A field as 'literal without indexing, new name', raw strings: it touches no table."""
-    return b"\x00" + _hpack_int(len(name), 7, 0) + name + _hpack_int(len(value), 7, 0) + value
-
-
-def frame(ftype: int, flags: int, sid: int, payload: bytes = b"") -> bytes:
-    return len(payload).to_bytes(3, "big") + bytes((ftype, flags)) + sid.to_bytes(4, "big") + payload
-
-
-def grpc_timeout_seconds(value: bytes) -> float | None:
-    if len(value) < 2 or value[-1] not in _TIMEOUT_UNITS or not value[:-1].isdigit():
-        return None
-    return int(value[:-1]) * _TIMEOUT_UNITS[value[-1]]
-
-
-def grpc_timeout_value(seconds: float) -> bytes:
-    ms = max(1, int(seconds * 1000))
-    return f"{ms}m".encode() if ms < 100_000_000 else f"{max(1, int(seconds))}S".encode()
-
-
-def _settings_without_table(payload: bytes) -> bytes:
-    """A SETTINGS payload with HEADER_TABLE_SIZE forced to 0."""
-    out = bytearray()
-    for i in range(0, len(payload) - len(payload) % 6, 6):
-        if int.from_bytes(payload[i : i + 2], "big") != SETTINGS_HEADER_TABLE_SIZE:
-            out += payload[i : i + 6]
-    out += struct.pack(">HI", SETTINGS_HEADER_TABLE_SIZE, 0)
-    return bytes(out)
-
-
-def _block_of(ftype: int, flags: int, payload: bytes) -> bytes:
-    """The header block fragment of a HEADERS (padding and priority removed) or CONTINUATION."""
-    if ftype == HEADERS:
-        if flags & PADDED:
-            pad = payload[0]
-            payload = payload[1 : len(payload) - pad]
-        if flags & PRIORITY_FLAG:
-            payload = payload[5:]
-    return payload
-
-
-class HeaderReader:
-    """Header blocks of one direction: hpack's decoder until the peer's table is off, then stateless."""
-
-    __slots__ = ("full", "stateless")
-
-    def __init__(self) -> None:
-        self.full: hpack.Decoder | None = hpack.Decoder()
-        self.stateless = False
-
-    def read(self, block: bytes, wanted: frozenset[bytes]) -> list[tuple[bytes, bytes, int, int]]:
-        """The ``wanted`` fields, with their spans when stateless (editable), else spans of -1."""
-        if self.stateless:
-            return parse_block(block, wanted)
-        assert self.full is not None
-        fields = [
-            (bytes(n), bytes(v), -1, -1) for n, v in self.full.decode(block, raw=True) if bytes(n) in wanted
-        ]
-        if self.full.header_table.maxsize == 0 and not self.full.header_table.dynamic_entries:
-            self.stateless, self.full = True, None
-        return fields
-
-
-def _trailers(code: int, message: str, with_headers: bool) -> bytes:
+def _trailers(code: str, message: str, with_headers: bool) -> bytes:
     """A trailers block the relay writes itself (:status and content-type when no headers went out)."""
     block = b""
     if with_headers:
         block += b"\x88" + literal(b"content-type", b"application/grpc")  # 0x88: static ':status: 200'
-    block += literal(b"grpc-status", str(code).encode())
+    block += literal(b"grpc-status", str(GRPC_CODES[code]).encode())
     if message:
         block += literal(b"grpc-message", message.encode("ascii", "replace"))
     return block
 
 
-class _Scan:
-    """Splits one direction of a stream into gRPC messages; reports each message's head."""
-
-    __slots__ = ("head", "head_compressed", "length", "prefix", "remaining", "want")
-
-    def __init__(self) -> None:
-        self.prefix = b""
-        self.remaining = 0
-        self.length = 0
-        self.head: bytearray | None = None
-        self.head_compressed = 0
-        self.want = 0
-
-    def feed(self, data: bytes, out: list) -> None:
-        """Append (message length, head bytes, compressed) for each head completed in ``data``."""
-        i, n = 0, len(data)
-        while i < n:
-            if self.remaining == 0 and self.head is None:
-                need = 5 - len(self.prefix)
-                self.prefix += data[i : i + need]
-                i += need
-                if len(self.prefix) < 5:
-                    return
-                compressed = self.prefix[0]
-                self.length = self.remaining = int.from_bytes(self.prefix[1:5], "big")
-                self.prefix = b""
-                self.want = min(self.length, HEAD_BYTES)
-                if self.want == 0:
-                    out.append((0, b"", compressed))
-                    continue
-                self.head = bytearray()
-                self.head_compressed = compressed
-            take = min(n - i, self.remaining)
-            if self.head is not None:
-                h = min(take, self.want - len(self.head))
-                self.head += data[i : i + h]
-                if len(self.head) >= self.want:
-                    out.append((self.length, bytes(self.head), self.head_compressed))
-                    self.head = None
-            self.remaining -= take
-            i += take
+def _without(block: bytes, spans: list[tuple[int, int]]) -> bytes:
+    """``block`` with the byte spans of some fields cut out."""
+    if not spans:
+        return block
+    spans.sort()
+    out, pos = [], 0
+    for start, stop in spans:
+        out.append(block[pos:start])
+        pos = stop
+    out.append(block[pos:])
+    return b"".join(out)
 
 
 class _Stream:
@@ -325,11 +162,13 @@ class _Stream:
 
     __slots__ = (
         "answer",
+        "block",
         "counted",
         "deadline",
         "dropped",
         "fields",
         "headers_out",
+        "hole",
         "kind",
         "obs",
         "path",
@@ -339,7 +178,6 @@ class _Stream:
         "scan_in",
         "scan_out",
         "span",
-        "started",
         "traceparent",
     )
 
@@ -357,15 +195,18 @@ class _Stream:
         self.obs: Any = None
         self.req_bytes = 0
         self.resp_bytes = 0
-        self.scan_in: _Scan | None = _Scan() if kind != _OTHER else None
-        self.scan_out: _Scan | None = _Scan() if kind == _STREAM else None
-        self.pending: dict[str, collections.deque] | None = {} if kind == _STREAM else None
+        self.scan_in: MessageScanner | None = MessageScanner() if kind != _OTHER else None
+        self.scan_out: MessageScanner | None = MessageScanner() if kind == _STREAM else None
+        self.pending: StreamMatcher | None = StreamMatcher() if kind == _STREAM else None
         self.headers_out = False  # response headers went to the client
         self.dropped = False  # the relay answered this call itself; later frames are dropped
         self.counted = False  # holds a place in the in-flight limit
-        self.answer: tuple[int, str] | None = None  # the relay's own answer, sent once the model is known
+        self.answer: tuple[str, str] | None = None  # the relay's own answer, sent once the model is known
         self.deadline: float | None = None
-        self.started = time.monotonic()
+        # With tracing, a unary call's header block waits for its message: its place in the
+        # connection's held output (-1: not waiting) and the block, edited, without traceparent.
+        self.hole = -1
+        self.block = b""
 
 
 class _ClientSide(asyncio.Protocol):
@@ -378,11 +219,17 @@ class _ClientSide(asyncio.Protocol):
 
     def data_received(self, data: bytes) -> None:
         assert self.conn is not None
-        self.conn.from_client(data)
+        try:
+            self.conn.from_client(data)
+        except Exception as exc:  # the error boundary: see _Conn.fail
+            self.conn.fail(exc)
 
     def connection_lost(self, exc: Exception | None) -> None:
         if self.conn is not None:
-            self.conn.client_lost()
+            try:
+                self.conn.client_lost()
+            except Exception as error:
+                self.conn.fail(error)
 
     def pause_writing(self) -> None:
         if self.conn is not None and self.conn.up is not None:
@@ -398,10 +245,16 @@ class _UpstreamSide(asyncio.Protocol):
         self.conn = conn
 
     def data_received(self, data: bytes) -> None:
-        self.conn.from_upstream(data)
+        try:
+            self.conn.from_upstream(data)
+        except Exception as exc:  # the error boundary: see _Conn.fail
+            self.conn.fail(exc)
 
     def connection_lost(self, exc: Exception | None) -> None:
-        self.conn.upstream_lost(exc)
+        try:
+            self.conn.upstream_lost(exc)
+        except Exception as error:
+            self.conn.fail(error)
 
     def pause_writing(self) -> None:
         self.conn.client.pause_reading()
@@ -416,10 +269,12 @@ class _Conn:
     def __init__(self, relay: GrpcRelay, client: asyncio.Transport) -> None:
         self.relay = relay
         self.tel = relay.tel
+        self.tracing = relay.tel.tracer is not None
         self.client = client
         self.up: asyncio.Transport | None = None
         self.local = False  # the upstream is unreachable: the relay answers every call itself
         self.closing = False
+        self.failed = False
         self.c_buf = bytearray()
         self.u_buf = bytearray()
         self.c_preface = True
@@ -430,9 +285,16 @@ class _Conn:
         self.streams: dict[int, _Stream] = {}
         self.last_sid = 0
         self.waiting: list[bytes] = []  # client bytes for the upstream before it is connected
+        # Client bytes held behind header blocks that wait for their message (tracing), and
+        # how many of those blocks are still missing from it.
+        self.held: list[bytes] | None = None
+        self.holes = 0
         self.goaway_sid: int | None = None  # set once we told the client to go away
         self.refused: set[int] = set()  # calls answered by the relay: their later frames are dropped
         self.unacked_settings = 0  # client SETTINGS read before the upstream turned out unreachable
+        self.settings_out = False  # the client got a server SETTINGS (its connection preface)
+        self.early: list[bytes] = []  # the relay's own frames for the client before that
+        self.goaway_wanted: bool | None = None  # a GOAWAY asked for before that: sent right after
         self.lingering = False  # our first GOAWAY went out; the connection closes soon
         self.upstream_last: int | None = None  # the upstream's GOAWAY: it takes no later call
         relay.conns.add(self)
@@ -474,6 +336,7 @@ class _Conn:
         """
         self.local = True
         self.waiting.clear()
+        self.held, self.holes = None, 0
         if self.client.is_closing():
             return
         self.client.resume_reading()
@@ -481,16 +344,17 @@ class _Conn:
         out += [frame(SETTINGS, ACK, 0)] * self.unacked_settings  # the ones that waited for the upstream
         self.unacked_settings = 0
         self.client.write(b"".join(out))
+        self._settings_sent()
         message = self._unavailable_message()
         for sid, st in list(self.streams.items()):
             self._release(st)
             st.dropped = True
             if st.obs is not None or (st.pending and st.kind == _STREAM):
-                self._finish(st, "UNAVAILABLE")
-                self._write_answer(sid, 14, message)
+                self._finish(st, UNAVAILABLE)
+                self._write_answer(sid, UNAVAILABLE, message)
                 del self.streams[sid]
             else:
-                st.answer = (14, message)  # answered when its message (and model) arrives
+                st.answer = (UNAVAILABLE, message)  # answered when its message (and model) arrives
         self._close_if_local_done()
 
     def upstream_lost(self, exc: Exception | None) -> None:
@@ -499,12 +363,15 @@ class _Conn:
         if self.closing:
             return
         self.relay.upstream_state(False, exc)
+        self.held, self.holes = None, 0
         out = []
         for sid, st in list(self.streams.items()):
             if not st.dropped:
                 self._release(st)
-                self._finish(st, "UNAVAILABLE")
-                trailers = _trailers(14, "inferwatch sidecar: upstream connection lost", not st.headers_out)
+                self._finish(st, UNAVAILABLE)
+                trailers = _trailers(
+                    UNAVAILABLE, "inferwatch sidecar: upstream connection lost", not st.headers_out
+                )
                 out.append(frame(HEADERS, END_HEADERS | END_STREAM, sid, trailers))
         self.streams.clear()
         # From here the relay answers this client itself: calls it already sent are answered
@@ -515,6 +382,7 @@ class _Conn:
         self._goaway_and_linger()
 
     def client_lost(self) -> None:
+        self.held, self.holes = None, 0
         for st in self.streams.values():
             if not st.dropped:
                 self._release(st)
@@ -526,24 +394,74 @@ class _Conn:
         self.connect_task.cancel()
         self.relay.conns.discard(self)
 
+    def fail(self, exc: BaseException) -> None:
+        """The error boundary of the connection: a fault of the relay itself is the server's.
+
+        Every open call is counted INTERNAL (a server_error, as the aio engine counts the same
+        fault) and answered INTERNAL trailers; then GOAWAY and both connections close (the
+        relay's state for them can no longer be trusted). Logged once through the JSON logger.
+        """
+        if self.failed:
+            return
+        self.failed = True
+        log.error(
+            "grpc relay failure",
+            exc_info=(type(exc), exc, exc.__traceback__),
+            extra={"fields": {"calls": len(self.streams)}},
+        )
+        out = []
+        try:
+            for sid, st in self.streams.items():
+                if st.dropped:
+                    continue
+                self._release(st)
+                self._finish(st, INTERNAL)
+                trailers = _trailers(INTERNAL, "inferwatch sidecar: relay failure", not st.headers_out)
+                out.append(frame(HEADERS, END_HEADERS | END_STREAM, sid, trailers))
+        except Exception:
+            log.exception("grpc relay failure while closing its calls")
+        self.streams.clear()
+        self.held, self.holes = None, 0
+        if self.settings_out:
+            out.append(frame(GOAWAY, 0, 0, struct.pack(">II", self.last_sid, INTERNAL_ERROR)))
+            self._write_client(b"".join(out))
+        self.client.close()
+        if self.up is not None:
+            self.closing = True
+            self.up.close()
+        self.connect_task.cancel()
+        self.relay.conns.discard(self)
+
     def goaway(self, final: bool) -> None:
         """Graceful shutdown in two steps (RFC 9113 6.8). First a GOAWAY naming the highest
         possible stream: the client opens no new calls here, and a call it sent before reading
         it is still taken and answered. Then (``final``) the real last stream: anything later is
         refused (REFUSED_STREAM: never processed, so the client may retry it elsewhere)."""
+        if not self.settings_out:
+            # A server's first frame must be its SETTINGS (the upstream's, still on their way):
+            # the GOAWAY follows them, else the client would see a broken connection.
+            self.goaway_wanted = final or bool(self.goaway_wanted)
+            return
         if final:
             self.goaway_sid = self.last_sid
         if not self.client.is_closing():
             last = self.last_sid if final else MAX_STREAM_ID
             self.client.write(frame(GOAWAY, 0, 0, struct.pack(">II", last, NO_ERROR)))
 
+    def _settings_sent(self) -> None:
+        self.settings_out = True
+        if self.early:
+            early, self.early = self.early, []
+            self._write_client(b"".join(early))
+        if self.goaway_wanted is not None:
+            final, self.goaway_wanted = self.goaway_wanted, None
+            self.goaway(final=False)
+            if final:
+                self.goaway(final=True)
+
     # ---------------------------------------------------------------- observations
     def _gone_code(self, st: _Stream) -> str:
-        return (
-            "DEADLINE_EXCEEDED"
-            if st.deadline is not None and time.monotonic() >= st.deadline
-            else "CANCELLED"
-        )
+        return DEADLINE_EXCEEDED if st.deadline is not None and time.monotonic() >= st.deadline else CANCELLED
 
     def _release(self, st: _Stream) -> None:
         if st.counted:
@@ -551,6 +469,10 @@ class _Conn:
             self.relay.active -= 1
 
     def _begin(self, st: _Stream, model: str, version: str) -> Any:
+        if self.relay.retries:
+            retried = self.relay.resume(st.path)
+            if retried is not None:
+                return retried  # the retry of a refused call closes the refused call's observation
         name, attrs = st.span
         return self.tel.begin(model, version, PROTOCOL_GRPC, st.traceparent, name, attrs)
 
@@ -559,10 +481,8 @@ class _Conn:
         outcome = self.relay.outcome(code)
         if st.kind == _STREAM:
             assert st.pending is not None
-            for queue in st.pending.values():
-                for obs, size in queue:
-                    self.tel.end(obs, code, outcome, size, 0)
-            st.pending.clear()
+            for obs, size in st.pending.drain():
+                self.tel.end(obs, code, outcome, size, 0)
             return
         if st.obs is None:
             st.obs = self._begin(st, MODEL_NONE, "")
@@ -572,7 +492,7 @@ class _Conn:
     def from_client(self, data: bytes) -> None:
         buf = self.c_buf
         buf += data
-        out: list[bytes] = []
+        out: list[bytes] = self.held if self.held is not None else []
         pos = 0
         if self.c_preface:
             if len(buf) < 24:
@@ -607,8 +527,11 @@ class _Conn:
                 elif self.local:
                     replace = b""
             elif ftype in (HEADERS, CONTINUATION):
+                if run < pos:
+                    out.append(bytes(buf[run:pos]))
+                run = pos  # a block that waits for its message takes its place in ``out``
                 replace = self._client_headers(
-                    sid, ftype, flags, bytes(buf[pos + 9 : stop]), bytes(buf[pos:stop])
+                    sid, ftype, flags, bytes(buf[pos + 9 : stop]), bytes(buf[pos:stop]), out
                 )
             elif ftype == SETTINGS:
                 if self.local:
@@ -616,12 +539,14 @@ class _Conn:
                     self._write_client(replace)
                     replace = b""
                 elif not flags & ACK:
-                    replace = frame(SETTINGS, 0, 0, _settings_without_table(bytes(buf[pos + 9 : stop])))
+                    replace = frame(SETTINGS, 0, 0, settings_without_table(bytes(buf[pos + 9 : stop])))
                     if self.up is None:
                         self.unacked_settings += 1
             elif ftype == RST_STREAM:
                 st = self.streams.pop(sid, None)
                 if st is not None and not st.dropped:
+                    if st.hole >= 0:  # cancelled before its message: its headers go up first
+                        self._fill_hole(sid, st, out, MODEL_NONE, "")
                     self._release(st)
                     self._finish(st, self._gone_code(st))
                 elif st is not None and st.answer is not None:  # cancelled before our answer
@@ -643,23 +568,35 @@ class _Conn:
         if run < pos:
             out.append(bytes(buf[run:pos]))
         del buf[:pos]
+        if self.holes:
+            self.held = out  # written once every waiting block has its message
+            if sum(map(len, out)) > MAX_HELD_BYTES:
+                self._fill_holes(out)  # a client that withholds a message: stop waiting for it
+            else:
+                return
+        self.held = None
         if out and not self.local:
             payload = b"".join(out)
             if self.up is not None:
                 self.up.write(payload)
             else:
                 self.waiting.append(payload)
-                if sum(map(len, self.waiting)) > 4 * 1024 * 1024:
+                if sum(map(len, self.waiting)) > MAX_HELD_BYTES:
                     self.client.pause_reading()  # resumed once connected or closed
 
     def _write_client(self, data: bytes) -> None:
         if data and not self.client.is_closing():
-            self.client.write(data)
+            if self.settings_out:
+                self.client.write(data)
+            else:  # the server's first frame must be its SETTINGS, still on their way
+                self.early.append(data)
 
-    def _client_headers(self, sid: int, ftype: int, flags: int, payload: bytes, raw: bytes) -> bytes | None:
+    def _client_headers(
+        self, sid: int, ftype: int, flags: int, payload: bytes, raw: bytes, out: list[bytes]
+    ) -> bytes | None:
         """Collect a header block; on its end, open the call (or pass trailers). Returns what to forward."""
         if ftype == HEADERS:
-            self.c_block = [sid, flags, [_block_of(HEADERS, flags, payload)], [raw]]
+            self.c_block = [sid, flags, [block_of(HEADERS, flags, payload)], [raw]]
         elif self.c_block is None or self.c_block[0] != sid:
             self.client.close()  # CONTINUATION out of place: a protocol error
             return b""
@@ -673,60 +610,114 @@ class _Conn:
         self.c_block = None
         block = b"".join(fragments)
         original = b"".join(raws)
+        end_stream = first_flags & END_STREAM
         try:
-            fields = self.c_hdr.read(block, _REQUEST_FIELDS)
+            if self.c_hdr.stateless:
+                fields = parse_block(block, _REQUEST_FIELDS)
+                rewritten = False
+            else:
+                # Written with the client's dynamic table: decoded, and written again without
+                # one, so the upstream's table stays empty and this block can be edited too.
+                block = encode_stateless([(n, v, s) for n, v, _, _, s in self.c_hdr.read_all(block)])
+                fields = parse_block(block, _REQUEST_FIELDS)
+                rewritten = True
         except (HpackError, hpack.HPACKError) as exc:
             log.warning("unreadable header block from a client", extra={"fields": {"error": str(exc)}})
-            fields = []
-        if sid in self.streams:  # trailers from the client (gRPC sends none): pass them on
-            return original
-        if sid <= self.last_sid:
-            return original
+            return original  # the upstream judges it
+        if sid in self.streams or sid <= self.last_sid:
+            # Trailers from the client (gRPC sends none): pass them on.
+            return header_frames(sid, end_stream, block) if rewritten else original
         self.last_sid = sid
         path = timeout = traceparent = None
-        timeout_span = None
+        timeout_span = trace_span = None
         for name, value, start, stop in fields:
             if name == _PATH:
                 path = value.decode("latin-1")
             elif name == _TIMEOUT:
                 timeout, timeout_span = grpc_timeout_seconds(value), (start, stop)
             elif name == _TRACEPARENT:
-                traceparent = value.decode("latin-1")
+                traceparent, trace_span = value.decode("latin-1"), (start, stop)
         path = path or ""
         method = path.rsplit("/", 1)[-1] if path.startswith(f"/{SERVICE}/") else ""
         if method in UNARY_METHODS:
             st = _Stream(path, _UNARY, UNARY_METHODS[method], traceparent)
         elif method == STREAM_METHOD:
-            st = _Stream(path, _STREAM, (1, 2), traceparent)
+            st = _Stream(path, _STREAM, STREAM_FIELDS[:2], traceparent)
         else:
             st = _Stream(path, _OTHER, (0, 0), traceparent)
         relay = self.relay
-        if self.goaway_sid is not None and sid > self.goaway_sid and (self.local or self.c_hdr.stateless):
+        if self.goaway_sid is not None and sid > self.goaway_sid:
             # After our GOAWAY: never processed, not counted; the client retries it elsewhere.
             self._write_client(frame(RST_STREAM, 0, sid, REFUSED_STREAM.to_bytes(4, "big")))
             return b""
-        if self.local or (self.upstream_last is not None and self.c_hdr.stateless):
-            self._withhold(sid, st, 14, self._unavailable_message(), first_flags)
+        if self.local or self.upstream_last is not None:
+            self._withhold(sid, st, UNAVAILABLE, self._unavailable_message(), first_flags)
             return b""
-        if self.c_hdr.stateless and relay.limit and relay.active >= relay.limit:
-            # Over the limit; the upstream never sees the call (a stateless block can be withheld).
+        if relay.limit and relay.active >= relay.limit:
+            # Over the limit; the upstream never sees the call.
             message = f"inferwatch sidecar: more than {relay.limit} calls in flight"
-            self._withhold(sid, st, 8, message, first_flags)
+            self._withhold(sid, st, RESOURCE_EXHAUSTED, message, first_flags)
             return b""
         relay.active += 1
         st.counted = True
         self.streams[sid] = st
-        if st.kind == _OTHER:
-            st.obs = self._begin(st, MODEL_NONE, "")
         effective = timeout if timeout is not None and timeout <= relay.timeout else relay.timeout
         st.deadline = time.monotonic() + effective
-        if effective == timeout or not self.c_hdr.stateless or len(block) > 16000:
-            return original  # the client's own deadline, or a block we may not touch
-        # Replace (or add) grpc-timeout: stateless representations can be edited freely.
-        if timeout_span is not None:
-            block = block[: timeout_span[0]] + block[timeout_span[1] :]
-        block += literal(_TIMEOUT, grpc_timeout_value(effective))
-        return frame(HEADERS, END_HEADERS | (first_flags & END_STREAM), sid, block)
+        trace = self.tracing and st.kind != _STREAM  # a stream's header goes before any message
+        if effective == timeout and not trace:
+            # The client's own deadline and no span context to pass: the block goes as it came.
+            if st.kind == _OTHER:
+                st.obs = self._begin(st, MODEL_NONE, "")
+            return header_frames(sid, end_stream, block) if rewritten else original
+        cut = []
+        if effective != timeout and timeout_span is not None:
+            cut.append(timeout_span)
+        if trace and trace_span is not None:
+            cut.append(trace_span)
+        block = _without(block, cut)
+        if effective != timeout:
+            block += literal(_TIMEOUT, grpc_timeout_value(effective))
+        if st.kind == _OTHER:
+            st.obs = self._begin(st, MODEL_NONE, "")
+        if not trace:
+            return header_frames(sid, end_stream, block)
+        if st.kind == _OTHER or end_stream:
+            # No message to wait for: the span starts now.
+            if st.obs is None:
+                st.obs = self._begin(st, MODEL_NONE, "")
+            return header_frames(sid, end_stream, self._traced(st, block))
+        # A unary call: its block waits for the first bytes of its message (normally in the
+        # same read), so the span can be started with the model and its context sent up.
+        st.block = block
+        st.hole = len(out)
+        out.append(b"")
+        self.holes += 1
+        return b""
+
+    def _traced(self, st: _Stream, block: bytes) -> bytes:
+        """``block`` (without the client's traceparent) with the sidecar span's context."""
+        tp = st.obs.traceparent if st.obs is not None else None
+        tp = tp or st.traceparent
+        return block + literal(_TRACEPARENT, tp.encode("latin-1")) if tp else block
+
+    def _fill_hole(self, sid: int, st: _Stream, out: list[bytes], model: str, version: str) -> None:
+        """Start the call's observation and put its header block in its place in ``out``."""
+        if st.obs is None:
+            st.obs = self._begin(st, model, version)
+        out[st.hole] = header_frames(sid, 0, self._traced(st, st.block))
+        st.hole = -1
+        st.block = b""
+        self.holes -= 1
+
+    def _fill_holes(self, out: list[bytes]) -> None:
+        """Send every waiting block now with the client's own traceparent (the observation
+        starts when the message comes, as without tracing)."""
+        for sid, st in self.streams.items():
+            if st.hole >= 0:
+                out[st.hole] = header_frames(sid, 0, self._traced(st, st.block))
+                st.hole = -1
+                st.block = b""
+        self.holes = 0
 
     def _client_data(
         self, st: _Stream, sid: int, flags: int, buf: bytearray, start: int, stop: int, out: list
@@ -754,22 +745,23 @@ class _Conn:
             model = version = rid = ""
             if not compressed:
                 model, version, rid = read_strings(
-                    head, *st.fields, 3 if st.kind == _STREAM else 0, partial=True
+                    head, *st.fields, STREAM_FIELDS[2] if st.kind == _STREAM else 0, partial=True
                 )
+            if st.hole >= 0:
+                self._fill_hole(sid, st, out, model, version)
             if length > relay.max_message:
                 # Over the limit: stop the call upstream and answer the client ourselves.
                 self._finish_over_limit(sid, st, model, version, out)
                 return b""
             if st.kind == _UNARY:
-                st.obs = self._begin(st, model, version)
+                if st.obs is None:
+                    st.obs = self._begin(st, model, version)
                 st.scan_in = None  # one request message: nothing more to read
                 break
-            obs = self._begin(st, model, version)
             assert st.pending is not None
-            queue = st.pending.get(rid)
-            if queue is None:
-                queue = st.pending[rid] = collections.deque()
-            queue.append((obs, length + 5))
+            st.pending.add(rid, self._begin(st, model, version), length + 5)
+        if st.hole >= 0 and flags & END_STREAM:  # the call ended without a whole message head
+            self._fill_hole(sid, st, out, MODEL_NONE, "")
         return None
 
     def _finish_over_limit(self, sid: int, st: _Stream, model: str, version: str, out: list) -> None:
@@ -778,13 +770,18 @@ class _Conn:
         self._release(st)
         if st.kind == _STREAM:
             assert st.pending is not None
-            st.pending.setdefault("", collections.deque()).append((self._begin(st, model, version), 0))
+            st.pending.add("", self._begin(st, model, version), 0)
         elif st.obs is None:
             st.obs = self._begin(st, model, version)
-        self._finish(st, "RESOURCE_EXHAUSTED")
+        self._finish(st, RESOURCE_EXHAUSTED)
         message = f"inferwatch sidecar: message larger than {self.relay.max_message} bytes"
         self._write_client(
-            frame(HEADERS, END_HEADERS | END_STREAM, sid, _trailers(8, message, not st.headers_out))
+            frame(
+                HEADERS,
+                END_HEADERS | END_STREAM,
+                sid,
+                _trailers(RESOURCE_EXHAUSTED, message, not st.headers_out),
+            )
             + frame(RST_STREAM, 0, sid, NO_ERROR.to_bytes(4, "big"))
         )
 
@@ -793,7 +790,7 @@ class _Conn:
         host, port = self.relay.upstream
         return f"inferwatch sidecar: upstream {host}:{port} unavailable"
 
-    def _withhold(self, sid: int, st: _Stream, code: int, message: str, flags: int) -> None:
+    def _withhold(self, sid: int, st: _Stream, code: str, message: str, flags: int) -> None:
         """Keep a call from the upstream and answer it ourselves once its model is known."""
         st.dropped = True
         st.answer = (code, message)
@@ -825,15 +822,14 @@ class _Conn:
         assert st.answer is not None
         code, message = st.answer
         st.answer = None
-        name = _CODE_NAMES[code]
-        self.tel.end(self._begin(st, model, version), name, self.relay.outcome(name), st.req_bytes, 0)
+        self.tel.end(self._begin(st, model, version), code, self.relay.outcome(code), st.req_bytes, 0)
         self.streams.pop(sid, None)
         if not client_done:
             self.refused.add(sid)
         self._write_answer(sid, code, message)
         self._close_if_local_done()
 
-    def _write_answer(self, sid: int, code: int, message: str) -> None:
+    def _write_answer(self, sid: int, code: str, message: str) -> None:
         self._write_client(
             frame(HEADERS, END_HEADERS | END_STREAM, sid, _trailers(code, message, True))
             + frame(RST_STREAM, 0, sid, NO_ERROR.to_bytes(4, "big"))
@@ -885,14 +881,25 @@ class _Conn:
                     else:
                         self._upstream_data(st, flags, buf, pos + 9, stop)
                         if flags & END_STREAM:  # a body that ends without trailers: gRPC says INTERNAL
-                            self._close(sid, st, "INTERNAL")
+                            self._close(sid, st, INTERNAL)
             elif ftype in (HEADERS, CONTINUATION):
                 replace = self._upstream_headers(
                     sid, ftype, flags, bytes(buf[pos + 9 : stop]), bytes(buf[pos:stop])
                 )
             elif ftype == SETTINGS:
                 if not flags & ACK:
-                    replace = frame(SETTINGS, 0, 0, _settings_without_table(bytes(buf[pos + 9 : stop])))
+                    replace = frame(SETTINGS, 0, 0, settings_without_table(bytes(buf[pos + 9 : stop])))
+                    if not self.settings_out:
+                        # The client's server preface: what the relay wrote meanwhile follows it.
+                        if run < pos:
+                            out.append(bytes(buf[run:pos]))
+                        out.append(replace)
+                        if not self.client.is_closing():
+                            self.client.write(b"".join(out))
+                        out.clear()
+                        run = pos
+                        replace = b""
+                        self._settings_sent()
             elif ftype == GOAWAY and length >= 8:
                 replace = self._upstream_goaway(bytes(buf[pos + 9 : stop]))
             elif ftype == RST_STREAM:
@@ -902,15 +909,11 @@ class _Conn:
                         replace = b""
                     else:
                         err = int.from_bytes(buf[pos + 9 : pos + 13], "big") if length >= 4 else 0
-                        code = (
-                            "CANCELLED"
-                            if err == CANCEL
-                            else "UNAVAILABLE"
-                            if err == REFUSED_STREAM
-                            else "INTERNAL"
-                        )
                         self._release(st)
-                        self._finish(st, code)
+                        if err == REFUSED_STREAM and st.kind != _STREAM:
+                            self.relay.refused_call(st.path, st.obs, self._refused_code(st))
+                        else:
+                            self._finish(st, _RESET_CODES.get(err, INTERNAL))
             if replace is not None:
                 if run < pos:
                     out.append(bytes(buf[run:pos]))
@@ -924,19 +927,35 @@ class _Conn:
         if out:
             self._write_client(b"".join(out))
 
+    def _refused_code(self, st: _Stream) -> Any:
+        """What a refused call counts if the client does not retry it: a callable closing it."""
+
+        def close() -> None:
+            self._finish(st, UNAVAILABLE)
+
+        return close
+
     def _upstream_goaway(self, payload: bytes) -> bytes:
         """The upstream is shutting down. Calls past its last stream will not be processed: they
         are answered UNAVAILABLE here and counted, and the client is told that every call it
         sent may be answered (GOAWAY with the highest id), so what it saw and what was counted
         stay equal (a forwarded last id would make it retry those calls unseen by the metrics)."""
         last = int.from_bytes(payload[:4], "big") & MAX_STREAM_ID
+        if self.holes and self.held is not None:
+            # Blocks still waiting for their message go up now: the upstream refuses them below.
+            self._fill_holes(self.held)
+            held, self.held = self.held, None
+            if self.up is not None:
+                self.up.write(b"".join(held))
         out = []
         for sid, st in list(self.streams.items()):
             if sid > last and not st.dropped:
                 self._release(st)
-                self._finish(st, "UNAVAILABLE")
+                self._finish(st, UNAVAILABLE)
                 st.dropped = True  # the upstream's later frames for it are dropped
-                trailers = _trailers(14, "inferwatch sidecar: upstream shutting down", not st.headers_out)
+                trailers = _trailers(
+                    UNAVAILABLE, "inferwatch sidecar: upstream shutting down", not st.headers_out
+                )
                 out.append(frame(HEADERS, END_HEADERS | END_STREAM, sid, trailers))
         self.upstream_last = last  # later calls are answered by the relay itself
         out.append(frame(GOAWAY, 0, 0, MAX_STREAM_ID.to_bytes(4, "big") + payload[4:]))
@@ -957,24 +976,15 @@ class _Conn:
             final = None
             if not compressed:
                 error, _model, rid, final = stream_response_info(head, partial=True)
-            if final is False:
-                continue
-            queue = st.pending.get(rid)
-            if not queue and error and st.pending:
-                queue = next(iter(st.pending.values()))
-            if not queue:
-                continue
-            obs, size = queue.popleft()
-            if not queue:
-                for key, q in list(st.pending.items()):
-                    if not q:
-                        del st.pending[key]
-            code = stream_error_code(error) if error else "OK"
-            self.tel.end(obs, code, self.relay.outcome(code), size, length)
+            entry = st.pending.take(rid, bool(error), final)
+            if entry is not None:
+                obs, size = entry
+                code = stream_error_code(error) if error else OK
+                self.tel.end(obs, code, self.relay.outcome(code), size, length)
 
     def _upstream_headers(self, sid: int, ftype: int, flags: int, payload: bytes, raw: bytes) -> bytes | None:
         if ftype == HEADERS:
-            self.u_block = [sid, flags, [_block_of(HEADERS, flags, payload)], [raw]]
+            self.u_block = [sid, flags, [block_of(HEADERS, flags, payload)], [raw]]
         elif self.u_block is None or self.u_block[0] != sid:
             return None
         else:
@@ -1009,14 +1019,12 @@ class _Conn:
                 status = value
             elif name == _STATUS:
                 http = value
-        if status is not None and status.isdigit() and int(status) in _CODE_NAMES:
-            code = _CODE_NAMES[int(status)]
+        if status is not None and status.isdigit() and int(status) in CODE_NAMES:
+            code = CODE_NAMES[int(status)]
         elif http is not None and http != b"200" and http.isdigit():
-            code = _HTTP_TO_GRPC.get(
-                int(http), "UNAVAILABLE" if int(http) in _HTTP_UNAVAILABLE else "UNKNOWN"
-            )
+            code = _HTTP_TO_GRPC.get(int(http), UNAVAILABLE if int(http) in _HTTP_UNAVAILABLE else UNKNOWN)
         else:
-            code = "UNKNOWN"
+            code = UNKNOWN
         self._close(sid, st, code)
         return original
 
@@ -1048,6 +1056,9 @@ class GrpcRelay:
         self.connect_timeout = connect_timeout_s
         self.active = 0
         self.conns: set[_Conn] = set()
+        # Calls the upstream refused (REFUSED_STREAM), by path, oldest first, each waiting for
+        # the client's retry: (observation or None, what closes it if no retry comes, timer).
+        self.retries: dict[str, collections.deque] = {}
         self._outcomes = {name: telemetry.outcome_for_grpc(name) for name in GRPC_CODES}
         self._server: asyncio.AbstractServer | None = None
         self._probe: asyncio.Task | None = None
@@ -1059,13 +1070,42 @@ class GrpcRelay:
 
     @staticmethod
     def nodelay(sock: Any) -> None:
-        import socket
-
         try:
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         except OSError:
             pass
 
+    # ---------------------------------------------------------------- refused calls and their retries
+    def refused_call(self, path: str, obs: Any, close: Any) -> None:
+        """The upstream refused a call unprocessed; a gRPC client retries such a call at once.
+        Its observation waits ``RETRY_WAIT_S`` for the retry (which then continues it, so the
+        call is counted once, with the latency the client saw); without one it is counted
+        UNAVAILABLE, what the client then got."""
+        entry: list = [obs, close, None]
+        entry[2] = asyncio.get_running_loop().call_later(RETRY_WAIT_S, self._retry_expired, path, entry)
+        self.retries.setdefault(path, collections.deque()).append(entry)
+
+    def _retry_expired(self, path: str, entry: list) -> None:
+        queue = self.retries.get(path)
+        if queue is None or entry not in queue:
+            return
+        queue.remove(entry)
+        if not queue:
+            del self.retries[path]
+        entry[1]()
+
+    def resume(self, path: str) -> Any:
+        """The observation of a refused call that a new call on ``path`` retries, if any."""
+        queue = self.retries.get(path)
+        if not queue:
+            return None
+        obs, _close, timer = queue.popleft()
+        if not queue:
+            del self.retries[path]
+        timer.cancel()
+        return obs
+
+    # ---------------------------------------------------------------- lifecycle
     async def start(self, host: str, port: int) -> int:
         loop = asyncio.get_running_loop()
         self._server = await loop.create_server(lambda: _ClientSide(self), host, port, reuse_address=True)
@@ -1097,6 +1137,11 @@ class GrpcRelay:
             if conn.up is not None:
                 conn.closing = True
                 conn.up.close()
+        for queue in list(self.retries.values()):
+            for _obs, close, timer in queue:
+                timer.cancel()
+                close()  # refused and not retried before the end: counted as the client saw it
+        self.retries.clear()
         if self._probe is not None:
             self._probe.cancel()
 

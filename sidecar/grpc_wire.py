@@ -1,4 +1,5 @@
-"""A tiny protobuf wire-format reader: the few string fields the gRPC proxy labels requests by.
+"""gRPC wire formats the proxy reads: the few protobuf string fields it labels requests by, the
+message framing inside HTTP/2 DATA, and the ``grpc-timeout`` header.
 
 Hand-written on purpose. Decoding a ``ModelInferRequest`` with the generated classes would
 parse (and copy) every tensor in ``raw_input_contents`` just to read the model name; here a
@@ -232,3 +233,75 @@ def _partial_response_info(buf: bytes) -> tuple[str, str, str, bool | None]:
     except WireError:
         pass
     return error, model, rid, final
+
+
+# --------------------------------------------------------------------------- gRPC over HTTP/2
+
+# Bytes of each gRPC message read for its fields (names and ids come first).
+HEAD_BYTES = 512
+
+_TIMEOUT_UNITS = {
+    ord("H"): 3600.0,
+    ord("M"): 60.0,
+    ord("S"): 1.0,
+    ord("m"): 1e-3,
+    ord("u"): 1e-6,
+    ord("n"): 1e-9,
+}
+
+
+def grpc_timeout_seconds(value: bytes) -> float | None:
+    """A ``grpc-timeout`` header value in seconds; None when it is malformed."""
+    if len(value) < 2 or value[-1] not in _TIMEOUT_UNITS or not value[:-1].isdigit():
+        return None
+    return int(value[:-1]) * _TIMEOUT_UNITS[value[-1]]
+
+
+def grpc_timeout_value(seconds: float) -> bytes:
+    """``seconds`` as a ``grpc-timeout`` value: milliseconds, or seconds past 8 digits."""
+    ms = max(1, int(seconds * 1000))
+    return f"{ms}m".encode() if ms < 100_000_000 else f"{max(1, int(seconds))}S".encode()
+
+
+class MessageScanner:
+    """Splits one direction of a call's DATA into gRPC messages (a 5-byte prefix: compressed
+    flag and length, then the message) and reports the head of each, never holding more."""
+
+    __slots__ = ("head", "head_compressed", "length", "prefix", "remaining", "want")
+
+    def __init__(self) -> None:
+        self.prefix = b""
+        self.remaining = 0
+        self.length = 0
+        self.head: bytearray | None = None
+        self.head_compressed = 0
+        self.want = 0
+
+    def feed(self, data: bytes, out: list) -> None:
+        """Append (message length, head bytes, compressed) for each head completed in ``data``."""
+        i, n = 0, len(data)
+        while i < n:
+            if self.remaining == 0 and self.head is None:
+                need = 5 - len(self.prefix)
+                self.prefix += data[i : i + need]
+                i += need
+                if len(self.prefix) < 5:
+                    return
+                compressed = self.prefix[0]
+                self.length = self.remaining = int.from_bytes(self.prefix[1:5], "big")
+                self.prefix = b""
+                self.want = min(self.length, HEAD_BYTES)
+                if self.want == 0:
+                    out.append((0, b"", compressed))
+                    continue
+                self.head = bytearray()
+                self.head_compressed = compressed
+            take = min(n - i, self.remaining)
+            if self.head is not None:
+                h = min(take, self.want - len(self.head))
+                self.head += data[i : i + h]
+                if len(self.head) >= self.want:
+                    out.append((self.length, bytes(self.head), self.head_compressed))
+                    self.head = None
+            self.remaining -= take
+            i += take

@@ -722,10 +722,8 @@ def test_trace_context_reaches_triton_through_the_proxy(loop, engine, processes,
         except AssertionError as exc:
             raise AssertionError(f"{exc}; spans received: {receiver.spans}") from None
         assert theirs["traceId"] == TRACEPARENT.split("-")[1]
-        if engine == "aio":  # the proxy's span context goes upstream: Triton's span is its child
-            assert theirs["parentSpanId"] == format(ours.context.span_id, "016x")
-        else:  # the relay forwards the client's traceparent: both spans are the client's children
-            assert theirs["parentSpanId"] == TRACEPARENT.split("-")[2]
+        # Both engines send the proxy's span context upstream: Triton's span is its child.
+        assert theirs["parentSpanId"] == format(ours.context.span_id, "016x")
 
         text = generate_latest_openmetrics(p.registry).decode()
         assert f'trace_id="{TRACEPARENT.split("-")[1]}"' in text

@@ -9,19 +9,18 @@ import numpy as np
 import pytest
 from tritonclient.grpc import service_pb2 as pb
 
-from sidecar.grpc_proxy import UNARY_METHODS, forwarded_metadata, stream_error_code, with_traceparent
-from sidecar.grpc_relay import (
+from sidecar.grpc_methods import UNARY_METHODS, stream_error_code
+from sidecar.grpc_proxy import forwarded_metadata, with_traceparent
+from sidecar.grpc_wire import (
     HEAD_BYTES,
-    HeaderReader,
-    HpackError,
-    _Scan,
-    _settings_without_table,
+    MessageScanner,
+    WireError,
     grpc_timeout_seconds,
     grpc_timeout_value,
-    literal,
-    parse_block,
+    read_strings,
+    stream_response_info,
 )
-from sidecar.grpc_wire import WireError, read_strings, stream_response_info
+from sidecar.h2 import HeaderReader, HpackError, literal, parse_block, settings_without_table
 
 
 def infer_request(model: str = "ranker", version: str = "", rid: str = "", tensor_bytes: int = 64) -> bytes:
@@ -282,8 +281,8 @@ def test_header_reader_follows_a_peer_until_its_table_is_off() -> None:
 
 def test_settings_are_rewritten_to_switch_the_table_off() -> None:
     payload = struct.pack(">HIHI", 1, 4096, 4, 65535)  # HEADER_TABLE_SIZE 4096, INITIAL_WINDOW_SIZE
-    assert _settings_without_table(payload) == struct.pack(">HIHI", 4, 65535, 1, 0)
-    assert _settings_without_table(b"") == struct.pack(">HI", 1, 0)
+    assert settings_without_table(payload) == struct.pack(">HIHI", 4, 65535, 1, 0)
+    assert settings_without_table(b"") == struct.pack(">HI", 1, 0)
 
 
 @pytest.mark.parametrize(
@@ -317,7 +316,7 @@ def test_message_heads_are_found_across_any_split_of_the_stream() -> None:
     ]
     stream = b"".join(b"\x00" + len(b).to_bytes(4, "big") + b for b in bodies)
     for cut in range(1, len(stream)):
-        scan, heads = _Scan(), []
+        scan, heads = MessageScanner(), []
         scan.feed(stream[:cut], heads)
         scan.feed(stream[cut:], heads)
         assert [h[0] for h in heads] == [len(b) for b in bodies]
