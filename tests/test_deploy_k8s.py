@@ -15,7 +15,6 @@ import pytest
 import yaml
 from kubernetes_validate.utils import ValidationError as K8sValidationError
 
-from alert_rules import pager as pager_module
 from inferwatch import __version__, contract
 from inferwatch.cli import build_parser
 from sidecar import config as sidecar_config
@@ -303,15 +302,23 @@ def test_alertmanager_config_routes_every_inferwatch_alert_by_severity(
         m["value"]: r["receiver"] for r in top["routes"] for m in r["matchers"] if m["name"] == "severity"
     }
     assert set(by_severity) == set(contract.SEVERITIES)
-    # Secret the pager Deployment reads and the AlertmanagerConfig sends: the same one.
+    # Secret the pager Deployment reads and the AlertmanagerConfig sends: the same one,
+    # the same key, and mounted as a file (never an environment variable).
     pager = one(overlay_builds["example"], "Deployment", "inferwatch-pager")
-    (token_env,) = [e for e in pager_container(pager).get("env", []) if e["name"] == pager_module.TOKEN_ENV]
-    ref = token_env["valueFrom"]["secretKeyRef"]
+    container = pager_container(pager)
+    assert not [e for e in container.get("env", []) if "valueFrom" in e]
+    args = build_parser().parse_args(container["args"])
+    mounts = {m["name"]: m for m in container["volumeMounts"]}
+    (tokens,) = [v for v in pod_spec(pager)["volumes"] if "secret" in v]
+    mount = mounts[tokens["name"]]
+    assert mount["readOnly"] is True
+    assert Path(args.token_file).parent == Path(mount["mountPath"])
+    assert Path(args.read_token_file).parent == Path(mount["mountPath"])
     for r in amc["spec"]["receivers"]:
         for hook in r["webhookConfigs"]:
             assert hook["httpConfig"]["authorization"]["credentials"] == {
-                "name": ref["name"],
-                "key": ref["key"],
+                "name": tokens["secret"]["secretName"],
+                "key": Path(args.token_file).name,
             }
             assert hook["url"] == f"http://inferwatch-pager:{contract.PORTS['pager']}/webhook"
     service = one(overlay_builds["example"], "Service", "inferwatch-pager")
