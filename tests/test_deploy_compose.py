@@ -7,6 +7,8 @@ promtool and amtool, and each inferwatch command parses with inferwatch's own CL
 
 from __future__ import annotations
 
+import importlib.util
+import os
 import re
 import shutil
 import subprocess
@@ -106,9 +108,33 @@ def test_images_are_pinned(compose_model: dict) -> None:
         )
     services = compose_model["services"]
     # NGC 24.10 is Triton 2.51, the release the tests run (nvidia-pytriton's tritonserver).
+    # Its digest could not be established (deploy/README.md, "Image digests").
     assert services["triton"]["image"] == "nvcr.io/nvidia/tritonserver:24.10-py3"
+    # The other pulled images: the tag and the digest side by side.
+    for name in ("prometheus", "alertmanager", "grafana"):
+        assert re.fullmatch(r"[\w./-]+:[\w.-]+@sha256:[0-9a-f]{64}", services[name]["image"]), name
     for name in ("sidecar", "gpu-exporter", "pager", "token-init"):
         assert services[name]["image"] == INFERWATCH_IMAGE, name
+
+
+def test_inferwatch_services_run_with_least_privilege(compose_model: dict) -> None:
+    """What the Kubernetes manifests set, in compose: read-only root, no capabilities, no
+    escalation, CPU and memory limits; the GPU exporter's host PID namespace is the one
+    documented exception (per-process GPU memory)."""
+    s = compose_model["services"]
+    for name in ("sidecar", "gpu-exporter", "pager", "token-init"):
+        svc = s[name]
+        assert svc["read_only"] is True and svc["cap_drop"] == ["ALL"], name
+        assert "no-new-privileges:true" in svc["security_opt"], name
+        assert not svc.get("privileged") and not svc.get("cap_add"), name
+        if name != "token-init":
+            assert svc["cpus"] and svc["mem_limit"], name
+    assert s["gpu-exporter"]["pid"] == "host"
+    assert {name for name, svc in s.items() if svc.get("pid") or svc.get("network_mode") == "host"} == {
+        "gpu-exporter"
+    }
+    assert "pid: host" in COMPOSE_FILE.read_text()  # and the comment above it says why
+    assert "caller's PID namespace" in COMPOSE_FILE.read_text()
 
 
 def test_ports_agree_with_the_contract(compose_model: dict) -> None:
@@ -332,5 +358,55 @@ def test_healthcheck_passes_only_when_every_url_answers_2xx(http_server: str) ->
     assert bad.returncode == 1 and "HTTP 503" in bad.stderr
     closed = run_healthcheck(f"http://127.0.0.1:{free_port()}/healthz")
     assert closed.returncode == 1 and "unhealthy" in closed.stderr
-    usage = run_healthcheck()
+    usage = run_healthcheck("--help")
     assert usage.returncode == 2 and "usage" in usage.stderr
+
+
+def test_healthcheck_without_a_url_probes_the_containers_own_command(http_server: str) -> None:
+    """The Dockerfile's HEALTHCHECK passes no URL: the script finds the component from the
+    container's command (through docker-init) and probes its endpoint on the contract port."""
+    spec = importlib.util.spec_from_file_location("inferwatch_healthcheck", HEALTHCHECK)
+    hc = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(hc)
+    p = contract.PORTS
+    init = ["/sbin/docker-init", "--"]
+    assert (
+        hc.url_for([*init, "inferwatch", "sidecar"], {}) == f"http://127.0.0.1:{p['sidecar_metrics']}/readyz"
+    )
+    assert hc.url_for(["inferwatch", "sidecar"], {"INFERWATCH_METRICS_PORT": "9999"}).endswith(":9999/readyz")
+    assert hc.url_for(["/usr/local/bin/python", "/usr/local/bin/inferwatch", "gpu-exporter"], {}) == (
+        f"http://127.0.0.1:{p['gpu_exporter']}/healthz"
+    )
+    assert hc.url_for(["inferwatch", "pager", "--port", "1234"], {}) == "http://127.0.0.1:1234/healthz"
+    assert hc.url_for(["inferwatch", "pager", "--port=4321"], {}) == "http://127.0.0.1:4321/healthz"
+    assert hc.url_for(["inferwatch", "--help"], {}) is None
+    assert hc.url_for(["python", "-c", "pass"], {}) is None
+    # Each command's default port is the contract's, and the flag is one the CLI accepts.
+    contract_port = {"sidecar": "sidecar_metrics", "gpu-exporter": "gpu_exporter", "pager": "pager"}
+    parser = build_parser()
+    for command, (flag, _env, port, _path) in hc.ENDPOINTS.items():
+        assert port == p[contract_port[command]], command
+        assert getattr(parser.parse_args([command, flag, "1234"]), flag.lstrip("-").replace("-", "_")) in (
+            1234,
+            "1234",
+        )
+    # With the URL in the environment it probes that, for real.
+    env = {**os.environ, "INFERWATCH_HEALTHCHECK_URL": f"{http_server}/healthz"}
+    ok = subprocess.run(["python3", str(HEALTHCHECK)], capture_output=True, text=True, timeout=30, env=env)
+    assert ok.returncode == 0, ok.stderr
+    env["INFERWATCH_HEALTHCHECK_URL"] = f"{http_server}/readyz"
+    bad = subprocess.run(["python3", str(HEALTHCHECK)], capture_output=True, text=True, timeout=30, env=env)
+    assert bad.returncode == 1 and "HTTP 503" in bad.stderr
+    # Here PID 1 is no inferwatch command: it says so instead of passing.
+    env.pop("INFERWATCH_HEALTHCHECK_URL")
+    unknown = subprocess.run(
+        ["python3", str(HEALTHCHECK)], capture_output=True, text=True, timeout=30, env=env
+    )
+    assert unknown.returncode == 1 and "no known health endpoint" in unknown.stderr
+
+
+def test_dockerfile_has_a_healthcheck_that_uses_the_script() -> None:
+    text = (DOCKER / "Dockerfile").read_text()
+    (hc,) = re.findall(r"^HEALTHCHECK (.+)$", text, re.M)
+    assert hc.endswith('CMD ["inferwatch-healthcheck"]'), hc
+    assert "COPY deploy/docker/healthcheck.py /usr/local/bin/inferwatch-healthcheck" in text
