@@ -7,6 +7,7 @@ Errors from the API or the network raise ``AlertmanagerError`` with one readable
 from __future__ import annotations
 
 import re
+import uuid
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
 
@@ -23,6 +24,32 @@ class AlertmanagerError(Exception):
 
 
 _MATCHER_RE = re.compile(r"^\s*([a-zA-Z_][a-zA-Z0-9_]*)\s*(=~|!~|!=|=)\s*(.*?)\s*$")
+_OPS = {(False, True): "=", (False, False): "!=", (True, True): "=~", (True, False): "!~"}
+
+
+def _unquote(value: str, text: str) -> str:
+    """A double-quoted value unescaped as Alertmanager's matcher parser does (``\\"``,
+    ``\\\\``, ``\\n``; another backslash stays itself), or the value as it is when unquoted."""
+    if not value.startswith('"'):
+        return value
+    out, escaped = [], False
+    for i, ch in enumerate(value[1:], start=1):
+        if escaped:
+            out.append({"n": "\n", '"': '"', "\\": "\\"}.get(ch, "\\" + ch))
+            escaped = False
+        elif ch == "\\":
+            escaped = True
+        elif ch == '"':
+            if i != len(value) - 1:
+                break
+            return "".join(out)
+        else:
+            out.append(ch)
+    raise ValueError(f'{text!r}: a quoted value must end with its quote; write \\" for a quote inside')
+
+
+def _quote(value: str) -> str:
+    return '"' + value.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n") + '"'
 
 
 @dataclass(frozen=True, slots=True)
@@ -34,18 +61,29 @@ class Matcher:
 
     @classmethod
     def parse(cls, text: str) -> Matcher:
-        """``name=value``, ``name!=value``, ``name=~regex``, ``name!~regex`` (value may be quoted)."""
+        """``name=value``, ``name!=value``, ``name=~regex``, ``name!~regex``; the value may be
+        double-quoted, with ``\\"`` for a quote and ``\\\\`` for a backslash inside."""
         m = _MATCHER_RE.match(text)
         if not m:
             raise ValueError(f"{text!r} is not a matcher (use name=value, name!=value, name=~re or name!~re)")
         name, op, value = m.groups()
-        if len(value) >= 2 and value[0] == value[-1] == '"':
-            value = value[1:-1]
-        return cls(name, value, is_regex=op in ("=~", "!~"), is_equal=op in ("=", "=~"))
+        is_regex = op in ("=~", "!~")
+        value = _unquote(value, text)
+        if is_regex:
+            try:
+                re.compile(value)
+            except re.error as exc:
+                raise ValueError(f"{text!r}: not a regular expression: {exc}") from None
+        return cls(name, value, is_regex=is_regex, is_equal=op in ("=", "=~"))
 
     def __str__(self) -> str:
-        op = {(False, True): "=", (False, False): "!=", (True, True): "=~", (True, False): "!~"}
-        return f'{self.name}{op[(self.is_regex, self.is_equal)]}"{self.value}"'
+        """As Alertmanager's API and amtool read it: the value quoted, ``"`` and ``\\`` escaped."""
+        return f"{self.name}{_OPS[(self.is_regex, self.is_equal)]}{_quote(self.value)}"
+
+    @property
+    def negative(self) -> bool:
+        """Matches every alert whose label differs, including alerts without the label."""
+        return not self.is_equal
 
     def to_api(self) -> dict:
         return {"name": self.name, "value": self.value, "isRegex": self.is_regex, "isEqual": self.is_equal}
@@ -75,7 +113,10 @@ class Alert:
 
     @classmethod
     def from_api(cls, data: dict) -> Alert:
-        status = data.get("status", {})
+        """KeyError, TypeError or ValueError when ``data`` is not an alert of the API."""
+        status = data["status"]
+        if not isinstance(data["fingerprint"], str) or not isinstance(status["state"], str):
+            raise TypeError("not an alert")
         return cls(
             fingerprint=data["fingerprint"],
             labels=dict(data.get("labels", {})),
@@ -105,6 +146,9 @@ class Silence:
 
     @classmethod
     def from_api(cls, data: dict) -> Silence:
+        """KeyError, TypeError or ValueError when ``data`` is not a silence of the API."""
+        if not isinstance(data["id"], str) or not isinstance(data["status"]["state"], str):
+            raise TypeError("not a silence")
         return cls(
             id=data["id"],
             matchers=[Matcher.from_api(m) for m in data.get("matchers", [])],
@@ -116,11 +160,31 @@ class Silence:
         )
 
 
+def check_url(url: str) -> str:
+    """``url`` without a trailing slash; ValueError unless it is an http(s) URL with a host."""
+    try:
+        parsed = httpx.URL(url)
+    except (httpx.InvalidURL, TypeError) as exc:
+        raise ValueError(f"{url!r} is not a URL: {exc}") from None
+    if parsed.scheme not in ("http", "https") or not parsed.host:
+        raise ValueError(f"{url!r} is not an http:// or https:// URL with a host")
+    return url.rstrip("/")
+
+
+def check_silence_id(silence_id: str) -> str:
+    """Silence ids are UUIDs; anything else would also change the request's path."""
+    try:
+        return str(uuid.UUID(silence_id))
+    except ValueError:
+        raise ValueError(f"{silence_id!r} is not a silence id (a UUID, as 'silence list' shows)") from None
+
+
 class AlertmanagerClient:
-    """``url`` is Alertmanager's base URL (``http://host:9093``); ``client`` may be shared."""
+    """``url`` is Alertmanager's base URL (``http://host:9093``); ``client`` may be shared.
+    A URL that is not one raises ValueError."""
 
     def __init__(self, url: str = DEFAULT_URL, timeout: float = 10.0, client: httpx.Client | None = None):
-        self.url = url.rstrip("/")
+        self.url = check_url(url)
         self._client = client or httpx.Client(timeout=timeout)
 
     def close(self) -> None:
@@ -141,6 +205,19 @@ class AlertmanagerClient:
             detail = resp.text.strip().replace("\n", " ")[:300]
             raise AlertmanagerError(f"Alertmanager answered {resp.status_code} to {method} {path}: {detail}")
         return resp
+
+    def _parsed(self, method: str, path: str, convert, **kw):
+        """``convert(json)`` of the answer; an answer that is not the API's (an HTML login page
+        of a proxy, a JSON of another shape) is an AlertmanagerError, not a traceback."""
+        resp = self._request(method, path, **kw)
+        try:
+            return convert(resp.json())
+        except (ValueError, KeyError, TypeError, AttributeError):
+            kind = resp.headers.get("content-type", "no content type").split(";")[0]
+            raise AlertmanagerError(
+                f"{self.url} answered {method} /api/v2{path} with something that is not Alertmanager's "
+                f"API v2 ({kind}: {resp.text.strip()[:80]!r}); is the URL right?"
+            ) from None
 
     def ready(self) -> bool:
         try:
@@ -164,12 +241,13 @@ class AlertmanagerClient:
         ]
         if receiver:
             params.append(("receiver", receiver))
-        data = self._request("GET", "/alerts", params=params).json()
-        return sorted((Alert.from_api(a) for a in data), key=lambda a: (a.name, sorted(a.labels.items())))
+        alerts = self._parsed("GET", "/alerts", lambda data: [Alert.from_api(a) for a in data], params=params)
+        return sorted(alerts, key=lambda a: (a.name, sorted(a.labels.items())))
 
     def silences(self) -> list[Silence]:
-        data = self._request("GET", "/silences").json()
-        return sorted((Silence.from_api(s) for s in data), key=lambda s: (s.state, s.ends_at or datetime.max))
+        silences = self._parsed("GET", "/silences", lambda data: [Silence.from_api(s) for s in data])
+        far = datetime.max.replace(tzinfo=UTC)
+        return sorted(silences, key=lambda s: (s.state, s.ends_at or far))
 
     def create_silence(
         self,
@@ -185,14 +263,18 @@ class AlertmanagerClient:
         if duration <= timedelta(0):
             raise ValueError("a silence needs a positive duration")
         start = starts_at or datetime.now(UTC)
+        try:
+            end = start + duration
+        except OverflowError:
+            raise ValueError("the silence would end after the year 9999") from None
         body = {
             "matchers": [m.to_api() for m in matchers],
             "startsAt": start.isoformat(),
-            "endsAt": (start + duration).isoformat(),
+            "endsAt": end.isoformat(),
             "createdBy": created_by,
             "comment": comment,
         }
-        return self._request("POST", "/silences", json=body).json()["silenceID"]
+        return self._parsed("POST", "/silences", lambda data: str(data["silenceID"]), json=body)
 
     def expire_silence(self, silence_id: str) -> None:
-        self._request("DELETE", f"/silence/{silence_id}")
+        self._request("DELETE", f"/silence/{check_silence_id(silence_id)}")

@@ -57,13 +57,25 @@ def _register_alerts(sub: argparse._SubParsersAction) -> None:
         "add",
         help="silence the alerts matching all MATCHERs for a while",
         description="Create a silence, e.g.: inferwatch silence add model=ranker version=2 --duration 2h "
-        '--comment "rollback in progress"',
+        '--comment "rollback in progress". The alerts it mutes now are listed first (on stderr; with '
+        "--dry-run on stdout, and nothing is created). A value with spaces or quotes: "
+        """'model="a \\"b\\""'. Times are UTC.""",
     )
     _am_url_arg(add)
-    add.add_argument("matchers", nargs="+", metavar="MATCHER", help="name=value, name!=v, name=~re, name!~re")
+    add.add_argument(
+        "matchers", nargs="+", metavar="MATCHER", help='name=value, name!=v, name=~re, name!~re; "quoted"'
+    )
     add.add_argument("--duration", default="1h", help="how long, e.g. 30m, 2h (default: %(default)s)")
     add.add_argument("--comment", required=True, help="why (shown to everyone who sees the silence)")
     add.add_argument("--author", default=os.environ.get("USER", "inferwatch"), help="who (default: $USER)")
+    add.add_argument(
+        "--dry-run", action="store_true", help="list the alerts the silence would mute now; create nothing"
+    )
+    add.add_argument(
+        "--spec",
+        help="fleet spec whose silences.max_duration caps --duration (default: fleet.yaml if present, "
+        "else the built-in 7d)",
+    )
     add.set_defaults(func=_silence_add)
     ls = silence_sub.add_parser("list", help="list silences")
     _am_url_arg(ls)
@@ -88,11 +100,16 @@ def _matchers(texts: list[str]):
 def _client(args: argparse.Namespace):
     from alert_rules.am_client import AlertmanagerClient
 
-    return AlertmanagerClient(args.alertmanager)
+    try:
+        return AlertmanagerClient(args.alertmanager)
+    except ValueError as exc:
+        raise CliError(f"--alertmanager: {exc}", code=2) from None
 
 
 def _iso(t) -> str:
-    return t.strftime("%Y-%m-%d %H:%M:%S") if t else ""
+    from datetime import UTC
+
+    return t.astimezone(UTC).strftime("%Y-%m-%d %H:%M:%S UTC") if t else ""
 
 
 def _alerts(args: argparse.Namespace) -> int:
@@ -143,23 +160,68 @@ def _alerts(args: argparse.Namespace) -> int:
     return 0
 
 
+def _max_silence(spec_arg: str | None) -> tuple[str, float]:
+    """silences.max_duration from --spec, else fleet.yaml when there is one, else the default."""
+    from inferwatch.spec import FleetSpec, duration_seconds
+
+    if spec_arg is None and not Path(DEFAULT_SPEC).exists():
+        text, source = FleetSpec().silences.max_duration, "the built-in default"
+    else:
+        spec_path = spec_arg or DEFAULT_SPEC
+        text, source = _load(spec_path).silences.max_duration, spec_path
+    return f"silences.max_duration {text} of {source}", duration_seconds(text)
+
+
+def _preview(alerts, matchers) -> list[str]:
+    lines = [f"mutes {len(alerts)} alert{'s' if len(alerts) != 1 else ''} now"]
+    if all(m.negative for m in matchers):
+        lines.append(
+            "note: every matcher is negative (!= or !~): this also mutes every alert without those labels"
+        )
+    for a in alerts[:20]:
+        labels = " ".join(
+            f"{k}={v}" for k, v in sorted(a.labels.items()) if k not in ("alertname", "severity")
+        )
+        lines.append(f"  {a.state:<10} {a.labels.get('severity', ''):<9} {a.name}  {labels}")
+    if len(alerts) > 20:
+        lines.append(f"  ... and {len(alerts) - 20} more ('inferwatch alerts MATCHER...' lists them)")
+    return lines
+
+
 def _silence_add(args: argparse.Namespace) -> int:
-    from datetime import timedelta
+    from datetime import UTC, datetime, timedelta
 
     from alert_rules.am_client import AlertmanagerError
     from inferwatch.spec import duration_seconds
 
     matchers = _matchers(args.matchers)
     try:
-        duration = timedelta(seconds=duration_seconds(args.duration))
+        seconds = duration_seconds(args.duration)
     except ValueError as exc:
         raise CliError(f"--duration: {exc}", code=2) from None
+    if seconds <= 0:
+        raise CliError(f"--duration: {args.duration} is not a positive duration", code=2)
+    limit, max_seconds = _max_silence(args.spec)
+    if seconds > max_seconds:
+        raise CliError(f"--duration {args.duration} is longer than {limit}", code=2)
+    try:
+        duration = timedelta(seconds=seconds)
+        ends = datetime.now(UTC) + duration
+    except OverflowError:
+        raise CliError(f"--duration {args.duration} ends after the year 9999", code=2) from None
     if not args.comment.strip():
         raise CliError("--comment must say why", code=2)
     try:
         with _client(args) as am:
+            preview = _preview(am.alerts(matchers), matchers)
+            if args.dry_run:
+                print("\n".join([f"would silence until {_iso(ends)}; it {preview[0]}", *preview[1:]]))
+                return 0
+            print(
+                "\n".join([f"silencing until {_iso(ends)}; it {preview[0]}", *preview[1:]]), file=sys.stderr
+            )
             silence_id = am.create_silence(matchers, duration, args.author, args.comment)
-    except AlertmanagerError as exc:
+    except (AlertmanagerError, ValueError) as exc:
         raise CliError(str(exc)) from None
     print(silence_id)
     return 0
@@ -205,16 +267,20 @@ def _silence_list(args: argparse.Namespace) -> int:
 
 
 def _silence_expire(args: argparse.Namespace) -> int:
+    """Each id on its own: one bad id does not keep the others silenced."""
     from alert_rules.am_client import AlertmanagerError
 
-    try:
-        with _client(args) as am:
-            for silence_id in args.ids:
+    failed = 0
+    with _client(args) as am:
+        for silence_id in args.ids:
+            try:
                 am.expire_silence(silence_id)
+            except (AlertmanagerError, ValueError) as exc:
+                print(f"inferwatch: error: cannot expire {silence_id}: {exc}", file=sys.stderr)
+                failed += 1
+            else:
                 print(f"expired {silence_id}")
-    except AlertmanagerError as exc:
-        raise CliError(str(exc)) from None
-    return 0
+    return 1 if failed else 0
 
 
 def _register_pager(sub: argparse._SubParsersAction) -> None:

@@ -5,12 +5,15 @@ from __future__ import annotations
 
 import json
 import subprocess
+import threading
 from collections.abc import Iterator
 from datetime import UTC, datetime, timedelta
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import httpx
 import pytest
+import yaml
 
 from alert_rules.am_client import AlertmanagerClient, AlertmanagerError, Matcher
 from alert_rules.generate import build
@@ -90,7 +93,9 @@ def test_client_creates_lists_and_expires_silences(am: str) -> None:
         assert client.silences()[0].state == "expired"
         assert client.alerts([Matcher("model", "dense_batched")])[0].state == "active"
         with pytest.raises(AlertmanagerError, match="Alertmanager answered"):
-            client.expire_silence("not-a-silence-id")
+            client.expire_silence("00000000-0000-0000-0000-000000000000")
+        with pytest.raises(ValueError, match="is not a silence id"):
+            client.expire_silence("../alerts")
     with pytest.raises(AlertmanagerError, match="cannot reach Alertmanager"):
         AlertmanagerClient(f"http://127.0.0.1:{free_port()}").alerts()
 
@@ -100,8 +105,17 @@ def test_matcher_parsing() -> None:
     assert Matcher.parse('version!="2"') == Matcher("version", "2", is_equal=False)
     assert Matcher.parse("alertname=~Inference.*") == Matcher("alertname", "Inference.*", is_regex=True)
     assert str(Matcher.parse("severity!~info|warning")) == 'severity!~"info|warning"'
+    # Quotes and backslashes inside a value, written and read as Alertmanager does.
+    quoted = Matcher.parse('model="say \\"hi\\" \\\\ bye"')
+    assert quoted.value == 'say "hi" \\ bye'
+    assert str(quoted) == 'model="say \\"hi\\" \\\\ bye"' and Matcher.parse(str(quoted)) == quoted
+    assert Matcher.parse('model=a"b').value == 'a"b'
     with pytest.raises(ValueError, match="is not a matcher"):
         Matcher.parse("no operator")
+    with pytest.raises(ValueError, match="must end with its quote"):
+        Matcher.parse('model="a')
+    with pytest.raises(ValueError, match="not a regular expression"):
+        Matcher.parse("model=~(")
 
 
 def test_cli_alerts_and_silence(am: str) -> None:
@@ -133,22 +147,152 @@ def test_cli_alerts_and_silence(am: str) -> None:
     assert cli("silence", "list", "--alertmanager", am).stdout.strip() == "no silences"
 
 
+def add_args(*matchers: str, duration: str = "30m") -> tuple[str, ...]:
+    return ("silence", "add", *matchers, "--duration", duration, "--comment", "test")
+
+
 @pytest.mark.parametrize(
-    ("args", "message"),
+    ("args", "code", "message"),
     [
-        (("silence", "add", "model", "--comment", "x"), "'model' is not a matcher"),
+        (("silence", "add", "model", "--comment", "x"), 2, "'model' is not a matcher"),
+        (("silence", "add", 'model="a', "--comment", "x"), 2, "must end with its quote"),
+        (add_args("model=a", duration="soon"), 2, "--duration: 'soon' is not a duration"),
+        (add_args("model=a", duration="0s"), 2, "--duration: 0s is not a positive duration"),
         (
-            ("silence", "add", "model=a", "--duration", "soon", "--comment", "x"),
-            "--duration: 'soon' is not a duration",
+            add_args("model=a", duration="99999999999d"),
+            2,
+            "--duration 99999999999d is longer than silences.max_duration 7d",
         ),
+        (add_args("model=a", duration="99999d"), 2, "--duration 99999d is longer than silences.max_duration"),
+        (("alerts", "--alertmanager", "http://[::1"), 2, "--alertmanager: 'http://[::1' is not a URL"),
+        (("silence", "list", "--alertmanager", "ftp://host"), 2, "is not an http:// or https:// URL"),
         (
             ("alerts", "--alertmanager", "http://127.0.0.1:9"),
+            1,
             "cannot reach Alertmanager at http://127.0.0.1:9",
         ),
     ],
 )
-def test_cli_bad_input_is_one_line(args: tuple[str, ...], message: str) -> None:
+def test_cli_bad_input_is_one_line(args: tuple[str, ...], code: int, message: str) -> None:
     proc = cli(*args)
-    assert proc.returncode != 0
+    assert proc.returncode == code, proc.stderr
     [line] = proc.stderr.strip().splitlines()
-    assert line.startswith("inferwatch: error: ") and message in line
+    assert line.startswith("inferwatch: error: ") and message in line, line
+
+
+def test_the_spec_caps_a_silence(tmp_path: Path) -> None:
+    spec = tmp_path / "fleet.yaml"
+    spec.write_text(
+        yaml.safe_dump(
+            {**yaml.safe_load((ROOT / "fleet.yaml").read_text()), "silences": {"max_duration": "2h"}}
+        )
+    )
+    proc = cli(
+        *add_args("model=a", duration="3h"), "--spec", str(spec), "--alertmanager", "http://127.0.0.1:9"
+    )
+    assert proc.returncode == 2
+    assert (
+        proc.stderr.strip()
+        == f"inferwatch: error: --duration 3h is longer than silences.max_duration 2h of {spec}"
+    )
+
+
+class NotAlertmanager:
+    """What can sit at the configured URL instead of Alertmanager: a proxy's HTML login page,
+    or a JSON API of another shape."""
+
+    def __init__(self, body: bytes, content_type: str) -> None:
+        class Handler(BaseHTTPRequestHandler):
+            def _answer(self) -> None:
+                self.send_response(200)
+                self.send_header("Content-Type", content_type)
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+            do_GET = do_POST = do_DELETE = _answer
+
+            def log_message(self, *args: object) -> None:
+                pass
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    def close(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+
+
+@pytest.mark.parametrize(
+    ("body", "content_type"),
+    [
+        (b"<html><body>Please log in</body></html>", "text/html"),
+        (b'{"status": "ok", "data": {"alerts": []}}', "application/json"),
+        (b'[{"id": 1}]', "application/json"),
+    ],
+)
+def test_an_answer_that_is_not_alertmanager_is_one_line(body: bytes, content_type: str) -> None:
+    proxy = NotAlertmanager(body, content_type)
+    try:
+        for args in (
+            ("alerts",),
+            ("silence", "list"),
+            add_args("model=a"),
+            ("silence", "add", "model=a", "--comment", "x", "--dry-run"),
+        ):
+            proc = cli(*args, "--alertmanager", proxy.url)
+            assert proc.returncode == 1, (args, proc.stderr)
+            [line] = proc.stderr.strip().splitlines()
+            assert "not Alertmanager's API v2" in line and content_type in line, line
+    finally:
+        proxy.close()
+
+
+def test_silence_preview_dry_run_expire_each_quoting_and_utc(am: str) -> None:
+    # A negative matcher mutes every other model and every alert without a model label.
+    now = datetime.now(UTC)
+    extra = [
+        {"labels": {"alertname": "GPUMemoryPressure", "severity": "info", "gpu": "0"}},
+        {"labels": {"alertname": "InferenceHighErrorRate", "severity": "critical", "model": 'say "hi"'}},
+    ]
+    for alert in extra:
+        alert |= {"startsAt": now.isoformat(), "endsAt": (now + timedelta(hours=1)).isoformat()}
+    httpx.post(f"{am}/api/v2/alerts", json=extra, timeout=10).raise_for_status()
+    dry = cli("silence", "add", "--alertmanager", am, "model!=ranker", "--comment", "x", "--dry-run")
+    assert dry.returncode == 0, dry.stderr
+    lines = dry.stdout.splitlines()
+    assert lines[0].startswith("would silence until ") and lines[0].endswith(" UTC; it mutes 3 alerts now")
+    assert lines[1].startswith("note: every matcher is negative")
+    assert sorted(line.split()[2] for line in lines[2:]) == [
+        "GPUMemoryPressure",
+        "InferenceHighErrorRate",
+        "InferenceHighP99Latency",
+    ]
+    assert cli("silence", "list", "--alertmanager", am).stdout.strip() == "no silences"
+
+    # The preview comes before the silence, on stderr; the id alone on stdout.
+    add = cli("silence", "add", "--alertmanager", am, 'model="say \\"hi\\""', "--comment", "quoted")
+    assert add.returncode == 0, add.stderr
+    assert add.stderr.splitlines()[0].endswith("UTC; it mutes 1 alert now")
+    assert 'model=say "hi"' in add.stderr
+    sid = add.stdout.strip()
+    with AlertmanagerClient(am) as client:
+        [silence] = client.silences()
+        assert silence.matchers == [Matcher("model", 'say "hi"')]
+        [alert] = client.alerts([Matcher("model", 'say "hi"')])
+        assert alert.silenced_by == [sid]
+    listed = cli("silence", "list", "--alertmanager", am).stdout
+    assert 'model="say \\"hi\\""' in listed and " UTC " in listed
+    assert " UTC " in cli("alerts", "--alertmanager", am).stdout
+
+    # expire: each id on its own; the good one is expired whatever comes before it.
+    missing = "00000000-0000-0000-0000-000000000000"
+    proc = cli("silence", "expire", "--alertmanager", am, "not-an-id", missing, sid)
+    assert proc.returncode == 1
+    assert proc.stdout.strip() == f"expired {sid}"
+    errors = proc.stderr.strip().splitlines()
+    assert len(errors) == 2 and all(line.startswith("inferwatch: error: cannot expire ") for line in errors)
+    assert "'not-an-id' is not a silence id" in errors[0] and missing in errors[1]
+    with AlertmanagerClient(am) as client:
+        assert client.silences()[0].state == "expired"
