@@ -22,10 +22,10 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from inferwatch.demo import Demo, Scenario  # noqa: E402
+from inferwatch import logs  # noqa: E402
 from inferwatch.spec import duration_seconds  # noqa: E402
 from inferwatch.stack import Stack, StackConfig, free_ports  # noqa: E402
-from inferwatch.stack.log import configure  # noqa: E402
+from inferwatch.stack.demo import Demo, Scenario  # noqa: E402
 
 
 def main() -> int:
@@ -37,7 +37,7 @@ def main() -> int:
     )
     parser.add_argument("--json", type=Path, default=None, help="also write every run's results here")
     args = parser.parse_args()
-    configure(quiet=True)
+    logs.setup("warning", "inferwatch", "logfmt")
 
     rows: list[dict] = []
     raw = []

@@ -9,16 +9,12 @@ import argparse
 import json
 import signal
 import sys
-import time
 
+from inferwatch import contract, logs
 from inferwatch.cli import CliError
 
-
-def _log(msg: str, **fields: object) -> None:
-    """One structured line (logfmt) on stderr."""
-    parts = [f"ts={time.strftime('%Y-%m-%dT%H:%M:%S')}", "component=triton-launcher", f'msg="{msg}"']
-    parts += [f"{k}={json.dumps(v) if isinstance(v, str) and ' ' in v else v}" for k, v in fields.items()]
-    print(" ".join(parts), file=sys.stderr, flush=True)
+# The launcher is a service like the others: JSON lines on stderr (inferwatch/logs.py).
+log = logs.get("inferwatch.triton")
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -32,6 +28,8 @@ def register(sub: argparse._SubParsersAction) -> None:
 # inferwatch triton
 # ---------------------------------------------------------------------------------------
 def _register_triton(sub: argparse._SubParsersAction) -> None:
+    from reference_server.defaults import TRITON_READY_TIMEOUT
+
     p = sub.add_parser(
         "triton",
         help="run the bundled Triton reference server in the foreground",
@@ -45,10 +43,23 @@ def _register_triton(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument("--model-repository", default=None, help="model repository (default: the bundled one)")
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default: %(default)s)")
-    p.add_argument("--http-port", type=int, default=8000, help="KServe v2 HTTP port (default: %(default)s)")
-    p.add_argument("--grpc-port", type=int, default=8001, help="KServe v2 gRPC port (default: %(default)s)")
     p.add_argument(
-        "--metrics-port", type=int, default=8002, help="Prometheus metrics port (default: %(default)s)"
+        "--http-port",
+        type=int,
+        default=contract.PORTS["triton_http"],
+        help="KServe v2 HTTP port (default: %(default)s)",
+    )
+    p.add_argument(
+        "--grpc-port",
+        type=int,
+        default=contract.PORTS["triton_grpc"],
+        help="KServe v2 gRPC port (default: %(default)s)",
+    )
+    p.add_argument(
+        "--metrics-port",
+        type=int,
+        default=contract.PORTS["triton_metrics"],
+        help="Prometheus metrics port (default: %(default)s)",
     )
     p.add_argument("--log-file", default=None, help="Triton's log (default: STATE_DIR/triton/triton.log)")
     p.add_argument(
@@ -66,7 +77,7 @@ def _register_triton(sub: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--ready-timeout",
         type=float,
-        default=180.0,
+        default=TRITON_READY_TIMEOUT,
         help="seconds to wait for readiness (default: %(default)s)",
     )
     p.set_defaults(func=_triton)
@@ -79,6 +90,9 @@ def _triton(args: argparse.Namespace) -> int:
     for name in ("http_port", "grpc_port", "metrics_port"):
         if not 0 < getattr(args, name) < 65536:
             raise CliError(f"--{name.replace('_', '-')} must be a port number (1-65535)", 2)
+    if args.ready_timeout <= 0:
+        raise CliError("--ready-timeout must be above 0 seconds", 2)
+    logs.setup(logger="inferwatch")
     server = TritonServer(
         args.model_repository or MODEL_REPOSITORY,
         host=args.host,
@@ -98,10 +112,10 @@ def _triton(args: argparse.Namespace) -> int:
         raise KeyboardInterrupt
 
     signal.signal(signal.SIGTERM, _on_term)
-    _log("starting triton", model_repository=str(server.model_repository), log=str(server.log_path))
+    log.info("starting triton", model_repository=str(server.model_repository), log=str(server.log_path))
     try:
         server.start()
-        _log(
+        log.info(
             "triton ready",
             http=server.http_url,
             grpc=server.grpc_url,
@@ -113,7 +127,7 @@ def _triton(args: argparse.Namespace) -> int:
 
         for target, fault in faults.active(server.state_dir).items():
             # Faults live on across restarts; say so rather than surprise anyone.
-            _log(
+            log.warning(
                 "fault in effect",
                 target=target,
                 error_rate=fault.error_rate,
@@ -127,9 +141,9 @@ def _triton(args: argparse.Namespace) -> int:
     except LauncherError as exc:
         raise CliError(str(exc)) from None
     except KeyboardInterrupt:
-        _log("stopping triton")
+        log.info("stopping triton")
         code = server.stop()
-        _log("triton stopped", exit_code=code)
+        log.info("triton stopped", exit_code=code)
         return 0
     finally:
         if server.running():
@@ -245,7 +259,12 @@ def _register_load(sub: argparse._SubParsersAction) -> None:
         epilog="example: inferwatch load --url 127.0.0.1:8001 --protocol grpc --rate 50 --duration 30 "
         "--model ranker:1=9 --model ranker:2=1",
     )
-    p.add_argument("--url", default=None, help="HOST:PORT (default: 127.0.0.1:8000 for http, :8001 for grpc)")
+    p.add_argument(
+        "--url",
+        default=None,
+        help=f"HOST:PORT (default: 127.0.0.1:{contract.PORTS['triton_http']} for http, "
+        f":{contract.PORTS['triton_grpc']} for grpc)",
+    )
     p.add_argument("--protocol", choices=("http", "grpc"), default="http", help="default: %(default)s")
     mode = p.add_mutually_exclusive_group(required=True)
     mode.add_argument("--rate", type=float, help="open loop: requests per second (Poisson arrivals)")
@@ -316,7 +335,8 @@ def _format_summary(s) -> str:
 def _load(args: argparse.Namespace) -> int:
     from reference_server.loadgen import LoadConfig, LoadError, Target, run_load
 
-    url = args.url or ("127.0.0.1:8000" if args.protocol == "http" else "127.0.0.1:8001")
+    port = contract.PORTS["triton_http" if args.protocol == "http" else "triton_grpc"]
+    url = args.url or f"127.0.0.1:{port}"
     try:
         config = LoadConfig(
             url=url,

@@ -26,8 +26,10 @@ from types import TracebackType
 
 import httpx
 
+from inferwatch.contract import PORTS
 from inferwatch.paths import STATE_DIR_ENV, state_dir
 from reference_server.catalog import MODEL_REPOSITORY
+from reference_server.defaults import TRITON_READY_TIMEOUT
 
 BINARY_ENV = "INFERWATCH_TRITONSERVER"
 FAULTS_DIR_ENV = "INFERWATCH_FAULTS_DIR"  # read by the models (model.py); see faults.py
@@ -169,13 +171,13 @@ class TritonServer:
         model_repository: str | os.PathLike = MODEL_REPOSITORY,
         *,
         host: str = "127.0.0.1",
-        http_port: int = 8000,
-        grpc_port: int = 8001,
-        metrics_port: int = 8002,
+        http_port: int = PORTS["triton_http"],
+        grpc_port: int = PORTS["triton_grpc"],
+        metrics_port: int = PORTS["triton_metrics"],
         state_dir_path: str | os.PathLike | None = None,
         log_file: str | os.PathLike | None = None,
         binary: str | os.PathLike | None = None,
-        ready_timeout: float = 180.0,
+        ready_timeout: float = TRITON_READY_TIMEOUT,
         extra_args: tuple[str, ...] = (),
     ) -> None:
         self.model_repository = Path(model_repository).resolve()

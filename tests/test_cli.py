@@ -99,3 +99,42 @@ def test_run_maps_errors_and_interrupts_to_exit_codes(capsys) -> None:
     assert run(fails) == 3
     assert capsys.readouterr().err == "inferwatch: error: bad thing\n"
     assert run(interrupted) == 130
+
+
+def test_one_log_module_two_formats_same_keys_in_utc(tmp_path) -> None:
+    """inferwatch/logs.py: JSON for services and files, logfmt for a person's stderr; the
+    same keys either way, times in UTC whatever the machine's zone."""
+    import datetime
+    import io
+    import json
+    import os
+    import time
+
+    from inferwatch import logs
+
+    old_tz = os.environ.get("TZ")
+    os.environ["TZ"] = "America/New_York"  # a local-time formatter would show it
+    time.tzset()
+    try:
+        text, file = io.StringIO(), tmp_path / "logs" / "x.log"
+        logs.setup("info", "inferwatch.test", "logfmt", stream=text, stream_level="warning", file=file)
+        log = logs.get("inferwatch.test")
+        log.info("ready", component="sidecar", seconds=1.5)
+        log.warning("did not stop in time; killing", component="triton", detail='a "quoted" = b')
+        log.debug("never formatted", component="x")
+    finally:
+        if old_tz is None:
+            os.environ.pop("TZ")
+        else:
+            os.environ["TZ"] = old_tz
+        time.tzset()
+        logs.setup("info", "inferwatch.test")
+    lines = [json.loads(ln) for ln in file.read_text().splitlines()]  # the file: every line, JSON
+    assert [ln["msg"] for ln in lines] == ["ready", "did not stop in time; killing"]
+    assert lines[0]["component"] == "sidecar" and lines[0]["seconds"] == 1.5
+    for ln in lines:  # read as UTC, the stamp is now (a local-time stamp would be hours off)
+        stamp = datetime.datetime.fromisoformat(ln["ts"].replace("Z", "+00:00")).timestamp()
+        assert ln["ts"].endswith("Z") and abs(stamp - time.time()) < 60
+    [line] = text.getvalue().splitlines()  # the stream: warnings only, logfmt, same keys
+    assert line.startswith(f"ts={lines[1]['ts']} level=warning logger=inferwatch.test ")
+    assert line.endswith('msg="did not stop in time; killing" component=triton detail="a \\"quoted\\" = b"')

@@ -17,8 +17,8 @@ import pytest
 
 from alert_rules.links import runbook_url
 from inferwatch import contract
-from inferwatch.demo import TRAFFIC_MIX
 from inferwatch.spec import duration_seconds
+from inferwatch.stack.demo import TRAFFIC_MIX
 from inferwatch.stack.supervisor import alive
 from tests.fixtures.net import ROOT, inferwatch_cmd
 from tests.fixtures.stack import UpStack

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import signal
@@ -121,9 +122,13 @@ def test_cli_serves_until_sigterm_then_stops_cleanly(tmp_path: Path, processes) 
     while "triton ready" not in proc.log_path.read_text() and time.monotonic() < deadline:
         time.sleep(0.1)
     assert processes.stop(proc, signal.SIGTERM) == 0
-    log = proc.log_path.read_text()
-    assert "triton ready" in log and "triton stopped" in log
-    assert 'msg="fault in effect" target=ranker@2 error_rate=0.5' in log
+    # The launcher logs as every service does: one JSON object per line, in UTC.
+    lines = [json.loads(ln) for ln in proc.log_path.read_text().splitlines() if ln.startswith("{")]
+    by_msg = {line["msg"]: line for line in lines}
+    assert {"starting triton", "triton ready", "stopping triton", "triton stopped"} <= set(by_msg)
+    assert all(line["ts"].endswith("Z") and line["logger"] == "inferwatch.triton" for line in lines)
+    fault = by_msg["fault in effect"]
+    assert (fault["level"], fault["target"], fault["error_rate"]) == ("warning", "ranker@2", 0.5)
     assert (tmp_path / "triton" / "triton.log").is_file()
     with pytest.raises(httpx.ConnectError):
         httpx.get(f"http://127.0.0.1:{http}/v2/health/live", timeout=2)

@@ -247,3 +247,10 @@ def test_a_component_that_is_not_ready_in_time_stops_what_started(tmp_path: Path
     assert str(tmp_path / "state" / "logs" / "triton.log") in line
     assert processes_mentioning(str(tmp_path / "state")) == []
     assert not (tmp_path / "state" / STACK_FILE).exists()
+
+
+def test_a_ready_timeout_that_is_not_positive_is_a_usage_error(tmp_path: Path) -> None:
+    proc = up(tmp_path, "--free-ports", "--ready-timeout", "0")
+    assert proc.returncode == 2
+    assert "--ready-timeout must be above 0 seconds" in one_line_error(proc)
+    assert_nothing_started(tmp_path)

@@ -8,16 +8,17 @@ from pathlib import Path
 
 from alert_rules.pager import PageStore, WebhookPayload
 from inferwatch import contract
-from inferwatch.demo import (
-    Page,
-    Scenario,
+from inferwatch.spec import load_spec, parse_spec
+from inferwatch.stack.demo import Scenario, plan_faults
+from inferwatch.stack.observe import Page, parse_pages
+from inferwatch.stack.timing import (
     condition_seconds,
     default_steady,
-    parse_pages,
-    plan_faults,
+    error_burst_lead,
+    first_window_lead,
+    next_error_window_start,
     theoretical_minimum,
 )
-from inferwatch.spec import load_spec, parse_spec
 from tests.fixtures.net import ROOT
 
 DEMO = load_spec(ROOT / "fleet.demo.yaml")
@@ -25,13 +26,15 @@ FLEET = load_spec(ROOT / "fleet.yaml")
 
 
 def test_theoretical_minimum_is_condition_plus_evaluation_plus_group_wait() -> None:
-    # fleet.demo.yaml: evaluation 2s; group waits critical 2s, warning 3s, info 5s.
-    assert condition_seconds(DEMO, contract.ALERT_HIGH_ERROR_RATE) == 20  # (3 - 1) x 10s
-    assert theoretical_minimum(DEMO, contract.ALERT_HIGH_ERROR_RATE) == 20 + 2 + 2
+    # fleet.demo.yaml: scrape and evaluation 2s; group waits critical 2s, warning 3s, info 5s.
+    # Errors: (3 - 1) x 10s windows, and two scrapes of the first (a new series' first
+    # sample is invisible to rate()).
+    assert condition_seconds(DEMO, contract.ALERT_HIGH_ERROR_RATE) == 20 + 4
+    assert theoretical_minimum(DEMO, contract.ALERT_HIGH_ERROR_RATE) == 24 + 2 + 2
     assert theoretical_minimum(DEMO, contract.ALERT_HIGH_P99_LATENCY) == 30 + 2 + 3
     assert theoretical_minimum(DEMO, contract.ALERT_GPU_MEMORY_PRESSURE) == 15 + 2 + 5
     # The production spec, same formula: minutes instead of seconds.
-    assert theoretical_minimum(FLEET, contract.ALERT_HIGH_ERROR_RATE) == 120 + 15 + 10
+    assert theoretical_minimum(FLEET, contract.ALERT_HIGH_ERROR_RATE) == 120 + 30 + 15 + 10
     assert theoretical_minimum(FLEET, contract.ALERT_GPU_MEMORY_PRESSURE) == 300 + 15 + 60
 
 
@@ -43,7 +46,7 @@ def test_timings_follow_the_spec_not_code() -> None:
             "routing": {"critical": {"receiver": "pager", "group_wait": "1s", "repeat_interval": "1h"}},
         }
     )
-    assert theoretical_minimum(faster, contract.ALERT_HIGH_ERROR_RATE) == 5 + 1 + 1
+    assert theoretical_minimum(faster, contract.ALERT_HIGH_ERROR_RATE) == 5 + 2 + 1 + 1
     # Steady: long enough for the slowest rule from a cold start (latency for 5m here).
     assert default_steady(faster) == 300 + 1 + 60
     assert default_steady(DEMO) == max(30, 30, 15) + 2 + 5
@@ -104,3 +107,18 @@ def test_pages_are_read_as_the_pager_stores_them(tmp_path: Path) -> None:
     assert again.status == "resolved" and again.notifications == 2
     assert again.resolved_at is not None and again.resolved_at >= again.received_at
     store.close()
+
+
+def test_the_error_burst_starts_at_a_fixed_place_in_its_window() -> None:
+    """Where a burst begins in the rule's tumbling window would add 0 to 10 s to its delay:
+    the demo starts it one scrape short of a whole window before a window ends."""
+    assert first_window_lead(DEMO) == 4  # two 2s scrapes
+    assert error_burst_lead(DEMO) == 8  # the 10s window less one scrape
+    for now in (1000.0, 1001.5, 1002.0, 1002.01, 1009.99):
+        start = next_error_window_start(DEMO, now)
+        assert now <= start < now + 10
+        assert (start + 8) % 10 == 0
+    assert next_error_window_start(DEMO, 1002.0) == 1002.0  # already on the mark
+    # The lead never exceeds the window, and never undercuts what the rate needs.
+    tiny = parse_spec({"alerts": {"error_rate": {"window": "3s"}}, "prometheus": {"scrape_interval": "2s"}})
+    assert error_burst_lead(tiny) == 3

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from inferwatch.stack import log as stack_log
+from inferwatch import logs
 from inferwatch.stack.supervisor import Component, StartError, Supervisor, alive, family, process_table
 from tests.fixtures.net import free_port
 
@@ -60,7 +60,7 @@ def test_stop_leaves_no_process_behind(tmp_path: Path) -> None:
 
 def test_components_start_in_order_and_stop_in_reverse(tmp_path: Path) -> None:
     lines = io.StringIO()
-    stack_log.configure(lines)
+    logs.setup("info", "inferwatch.stack", "logfmt", stream=lines)
     try:
         sup = Supervisor()
         for name in ("first", "second"):
@@ -68,7 +68,7 @@ def test_components_start_in_order_and_stop_in_reverse(tmp_path: Path) -> None:
         assert [r.component.name for r in sup.running] == ["first", "second"]
         sup.stop_all()
     finally:
-        stack_log.configure(None)
+        logs.setup("info", "inferwatch.stack", "logfmt")
     events = [
         (line.split("msg=")[1].split()[0], line.split("component=")[1].split()[0])
         for line in lines.getvalue().splitlines()

@@ -1,24 +1,24 @@
-"""``inferwatch up`` and ``inferwatch demo``: the local stack and the incident demo."""
+"""``inferwatch up`` and ``inferwatch demo``: the local stack and the incident demo.
+
+This module parses and dispatches; ``managed.py`` holds the process shell both commands
+share, ``demo.py`` the scenario, ``view.py`` and ``demo_view.py`` what a person sees.
+"""
 
 from __future__ import annotations
 
 import argparse
-import signal
-import threading
-from collections.abc import Iterator
-from contextlib import contextmanager
+import json
 from pathlib import Path
 
 from inferwatch.cli import CliError
 
 DEFAULT_SPEC = "fleet.yaml"
-REPO_ROOT = Path(__file__).resolve().parents[2]
 DEMO_SPEC = "fleet.demo.yaml"
 
 
 def _add_stack_args(p: argparse.ArgumentParser, spec_default: str) -> None:
     from inferwatch.stack.config import PORT_NAMES
-    from inferwatch.stack.core import default_state_dir
+    from inferwatch.stack.core import DEFAULT_READY_TIMEOUT, default_state_dir
 
     p.add_argument("--spec", default=spec_default, help="the fleet spec (default: %(default)s)")
     p.add_argument(
@@ -42,13 +42,15 @@ def _add_stack_args(p: argparse.ArgumentParser, spec_default: str) -> None:
     p.add_argument(
         "--ready-timeout",
         type=float,
-        default=180.0,
+        default=DEFAULT_READY_TIMEOUT,
         metavar="S",
         help="seconds each component may take to become healthy (default: %(default)s)",
     )
 
 
 def register(sub: argparse._SubParsersAction) -> None:
+    from inferwatch.stack.demo import DEFAULT_RATE
+
     up = sub.add_parser(
         "up",
         help="run the local stack (Triton, sidecar, GPU exporter, Prometheus, Alertmanager, pager)",
@@ -91,7 +93,11 @@ def register(sub: argparse._SubParsersAction) -> None:
         "rule to have fired from a cold start: the longest rule time + evaluation + group wait)",
     )
     demo.add_argument(
-        "--rate", type=float, default=20.0, metavar="RPS", help="steady request rate (default: %(default)s)"
+        "--rate",
+        type=float,
+        default=DEFAULT_RATE,
+        metavar="RPS",
+        help="steady request rate (default: %(default)s)",
     )
     demo.add_argument(
         "--keep-running",
@@ -102,122 +108,72 @@ def register(sub: argparse._SubParsersAction) -> None:
     demo.set_defaults(func=_demo)
 
 
-@contextmanager
-def stop_on_signals() -> Iterator[threading.Event]:
-    """An event set by SIGINT, SIGTERM or SIGHUP (restored afterwards)."""
-    event = threading.Event()
-
-    def handler(signum: int, _frame: object) -> None:
-        from inferwatch.stack.log import log
-
-        log("info", "signal received; stopping", signal=signal.Signals(signum).name)
-        event.set()
-
-    old = {s: signal.signal(s, handler) for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)}
-    try:
-        yield event
-    finally:
-        for s, h in old.items():
-            signal.signal(s, h)
-
-
-def stack_config(args: argparse.Namespace):  # -> StackConfig
-    from inferwatch.stack.core import StackConfig, default_state_dir, free_ports, parse_port_overrides
-
-    try:
-        overrides = parse_port_overrides(args.port)
-    except ValueError as exc:
-        raise CliError(str(exc), code=2) from None
-    spec = Path(args.spec)
-    if not spec.exists() and spec.name == args.spec and (REPO_ROOT / spec).is_file():
-        spec = REPO_ROOT / spec  # the default spec, run from outside the checkout
-    config = StackConfig(
-        spec_path=spec,
-        state_dir=(args.state_dir or default_state_dir()).expanduser().resolve(),
-        ready_timeout=args.ready_timeout,
-    )
-    if args.free_ports:
-        config.ports = free_ports(config.host)
-    config.ports.update(overrides)
-    if getattr(args, "gpu_backend", None):
-        config.gpu_backend = args.gpu_backend
-    return config
-
-
-def setup_logging(state_dir: Path) -> None:
-    """On a terminal the rich view is for the person: structured lines go to the stack's log
-    file (warnings and errors still reach stderr). Elsewhere (CI) every line goes to stderr."""
-    from inferwatch.stack.log import configure
-    from inferwatch.stack.view import console
-
-    if console.is_terminal:
-        configure(quiet=True, file=state_dir / "logs" / "inferwatch.log")
-
-
 def _up(args: argparse.Namespace) -> int:
-    from inferwatch.stack.core import Stack, StackError
-    from inferwatch.stack.log import log
-    from inferwatch.stack.supervisor import StartError, log_tail
-    from inferwatch.stack.view import print_summary, start_progress
+    from inferwatch import logs
+    from inferwatch.stack.managed import managed_stack, setup_logging, stack_config, stop_on_signals
+    from inferwatch.stack.supervisor import log_tail
+    from inferwatch.stack.view import print_summary
 
     config = stack_config(args)
     setup_logging(config.state_dir)
-    with stop_on_signals() as stop:
-        stack = Stack(config, stop)
-        try:
-            stack.preflight()
-        except StackError as exc:
-            raise CliError(str(exc)) from None
-        try:
-            with start_progress() as progress:
-                stack.start(progress)
-        except StartError as exc:
-            if stop.is_set():
-                return 130
-            raise CliError(str(exc)) from None
-        except StackError as exc:
-            raise CliError(str(exc)) from None
-        code = 0
-        try:  # whatever happens from here (even a closed stdout), the stack is stopped
-            print_summary(stack)
-            while not stop.wait(1.0):
-                dead = stack.check()
-                if dead is not None:
-                    log(
-                        "error",
-                        "component exited; stopping the stack",
-                        component=dead.component.name,
-                        code=dead.proc.returncode,
-                        log=str(dead.component.log_path),
-                        tail=log_tail(dead.component.log_path, 3),
-                    )
-                    code = 1
-                    break
-        finally:
-            stop_stack(stack)
-        return code
-
-
-def stop_stack(stack) -> None:  # stack: inferwatch.stack.core.Stack
-    """Stop every component; a process that survived is an error naming its pid."""
-    from inferwatch.stack.log import log
-    from inferwatch.stack.view import stopped_message
-
-    try:
-        stopped_message(stack, stopping=True)
-    except OSError:  # the terminal is gone (SIGHUP); stopping matters more than saying so
-        pass
-    survivors = stack.stop()
-    if survivors:
-        raise CliError(f"processes survived the stop: {' '.join(str(p[0]) for p in survivors)}")
-    log("info", "stack stopped; no process left", state_dir=str(stack.config.state_dir))
-    try:
-        stopped_message(stack, stopping=False)
-    except OSError:
-        pass
+    with stop_on_signals() as stop, managed_stack(config, stop) as (_info, stack):
+        assert stack is not None
+        print_summary(stack)
+        while not stop.wait(1.0):
+            dead = stack.check()
+            if dead is not None:
+                logs.get("inferwatch.stack").error(
+                    "component exited; stopping the stack",
+                    component=dead.component.name,
+                    code=dead.proc.returncode,
+                    log=str(dead.component.log_path),
+                    tail=log_tail(dead.component.log_path, 3),
+                )
+                return 1
+    return 0
 
 
 def _demo(args: argparse.Namespace) -> int:
-    from inferwatch.demo import main as demo_main
+    import httpx
 
-    return demo_main(args)
+    from inferwatch.stack.demo import Demo, Scenario
+    from inferwatch.stack.demo_view import make_reporter, print_results
+    from inferwatch.stack.managed import managed_stack, setup_logging, stack_config, stop_on_signals
+    from inferwatch.stack.view import console, print_summary
+
+    if args.rate <= 0:
+        raise CliError("--rate must be above 0", 2)
+    if args.steady is not None and args.steady < 0:
+        raise CliError("--steady must be 0 or more seconds", 2)
+    scenario = Scenario(steady_s=args.steady, rate=args.rate)
+    config = stack_config(args)
+    config.gpu_backend = "simulated"  # the demo pushes the simulated GPU into memory pressure
+    setup_logging(config.state_dir)
+    with stop_on_signals() as stop, managed_stack(config, stop, reuse_running=True) as (info, stack):
+        if stack is not None:
+            print_summary(stack)
+        demo = Demo(info, info.spec(), scenario, stop)
+        minutes = demo.expected_seconds() / 60
+        if stack is None and minutes > 6:
+            console.print(
+                f"the running stack uses {info.spec_path.name}: this incident takes about {minutes:.0f} "
+                "minutes; for the short demo stop that stack and run `inferwatch demo` (fleet.demo.yaml)"
+            )
+        try:
+            with make_reporter(demo) as reporter:
+                result = demo.run(reporter)
+        except httpx.HTTPError as exc:
+            raise CliError(
+                f"the stack stopped answering during the demo ({type(exc).__name__}: {exc}); "
+                f"see the logs under {info.state_dir / 'logs'}"
+            ) from None
+        if args.json:
+            args.json.write_text(json.dumps(result.to_json(), indent=2))
+        print_results(result)
+        if stack is not None and args.keep_running and not stop.is_set():
+            console.print(f"the stack keeps running (state under {info.state_dir}); Ctrl-C stops it")
+            while not stop.wait(1.0) and stack.check() is None:
+                pass
+    if result.aborted == "interrupted":
+        return 130
+    return 0 if result.ok else 1

@@ -22,10 +22,10 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from inferwatch import logs
 from inferwatch.paths import STATE_DIR_ENV, state_dir
 from inferwatch.spec import FleetSpec, SpecError, load_spec
 from inferwatch.stack import config as cfg
-from inferwatch.stack.log import log
 from inferwatch.stack.supervisor import Component, ProcId, Running, Supervisor, alive
 
 STACK_FILE = "stack.json"
@@ -33,6 +33,9 @@ SPEC_COPY = "spec.yaml"  # the spec the running stack was generated from
 # Subcommands of the other components that the stack runs.
 COMPONENT_COMMANDS = ("triton", "sidecar", "gpu-exporter", "pager")
 BINARIES = {"prometheus": "prometheus", "prometheus-alertmanager": "prometheus-alertmanager"}
+DEFAULT_READY_TIMEOUT = 180.0  # seconds each component may take to become healthy
+
+log = logs.get("inferwatch.stack")
 
 
 class StackError(Exception):
@@ -50,7 +53,7 @@ class StackConfig:
     ports: dict[str, int] = field(default_factory=lambda: dict(cfg.DEFAULT_PORTS))
     gpu_backend: str = "auto"  # auto | nvml | simulated
     host: str = "127.0.0.1"
-    ready_timeout: float = 180.0
+    ready_timeout: float = DEFAULT_READY_TIMEOUT
 
 
 @dataclass
@@ -280,11 +283,11 @@ class Stack:
             raise StackError(f"the rule generator wrote no rule files or alertmanager.yml into {gen_dir}")
         prom = cfg.prometheus_config(spec, c.ports, rule_files, c.host)
         cfg.write_yaml(d / "prometheus" / "prometheus.yml", prom)
-        log("info", "generated configs", rules=len(rule_files), dir=str(d))
+        log.info("generated configs", rules=len(rule_files), dir=str(d))
 
     def components(self) -> list[Component]:
         c, d, p, h = self.config, self._dir, self.config.ports, self.config.host
-        logs = d / "logs"
+        log_dir = d / "logs"
         inferwatch = [sys.executable, "-m", "inferwatch.cli"]
         # Children find the fault state (and anything else per-stack) under the stack's dir.
         env = {STATE_DIR_ENV: str(d), "PYTHONUNBUFFERED": "1"}
@@ -302,9 +305,10 @@ class Stack:
                     *inferwatch, "triton", "--host", h,
                     "--http-port", str(p["triton_http"]), "--grpc-port", str(p["triton_grpc"]),
                     "--metrics-port", str(p["triton_metrics"]),
-                    "--log-file", str(logs / "tritonserver.log"), "--state-dir", str(d),
+                    "--log-file", str(log_dir / "tritonserver.log"), "--state-dir", str(d),
+                    "--ready-timeout", f"{t:g}",
                 ],
-                url("triton_http", "/v2/health/ready"), logs / "triton.log", env, t,
+                url("triton_http", "/v2/health/ready"), log_dir / "triton.log", env, t,
                 url=url("triton_metrics", "/metrics"),
             ),
             Component(
@@ -316,21 +320,21 @@ class Stack:
                     "--http-port", str(p["sidecar_http"]), "--grpc-port", str(p["sidecar_grpc"]),
                     "--metrics-port", str(p["sidecar_metrics"]), "--spec", str(d / SPEC_COPY),
                 ],
-                url("sidecar_metrics", "/readyz"), logs / "sidecar.log", env, t,
+                url("sidecar_metrics", "/readyz"), log_dir / "sidecar.log", env, t,
                 url=f"{url('sidecar_http')} (HTTP), {h}:{p['sidecar_grpc']} (gRPC)",
             ),
             Component(
                 "gpu-exporter",
                 [*inferwatch, "gpu-exporter", "--host", h, "--port", str(p["gpu_exporter"]),
                  "--backend", c.gpu_backend],
-                url("gpu_exporter", "/healthz"), logs / "gpu-exporter.log", env, t,
+                url("gpu_exporter", "/healthz"), log_dir / "gpu-exporter.log", env, t,
                 url=url("gpu_exporter", "/metrics"),
             ),
             Component(
                 "pager",
                 [*inferwatch, "pager", "--host", h, "--port", str(p["pager"]),
                  "--db", str(d / "pager.sqlite"), "--token-file", str(d / "pager.token")],
-                url("pager", "/healthz"), logs / "pager.log", env, t,
+                url("pager", "/healthz"), log_dir / "pager.log", env, t,
                 url=url("pager", "/"),
             ),
             Component(
@@ -342,9 +346,9 @@ class Stack:
                     f"--web.listen-address={h}:{p['alertmanager']}",
                     f"--web.external-url={url('alertmanager')}",
                     "--cluster.listen-address=",  # one instance: no gossip port
-                    "--log.format=logfmt",
+                    "--log.format=json",
                 ],
-                url("alertmanager", "/-/ready"), logs / "alertmanager.log", {}, t,
+                url("alertmanager", "/-/ready"), log_dir / "alertmanager.log", {}, t,
                 url=url("alertmanager"),
             ),
             Component(
@@ -357,9 +361,9 @@ class Stack:
                     f"--web.external-url={url('prometheus')}",
                     "--enable-feature=exemplar-storage",
                     "--web.enable-lifecycle",
-                    "--log.format=logfmt",
+                    "--log.format=json",
                 ],
-                url("prometheus", "/-/ready"), logs / "prometheus.log", {}, t,
+                url("prometheus", "/-/ready"), log_dir / "prometheus.log", {}, t,
                 url=url("prometheus"),
             ),
         ]  # fmt: skip
@@ -417,7 +421,7 @@ class Stack:
         except FileNotFoundError:
             pass
         if survivors:
-            log("error", "processes survived the stop", pids=",".join(str(p[0]) for p in survivors))
+            log.error("processes survived the stop", pids=",".join(str(p[0]) for p in survivors))
         return [p for p in survivors if alive(p)]
 
     def components_table(self) -> list[tuple[str, str, int, Path]]:

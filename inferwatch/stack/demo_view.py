@@ -16,6 +16,7 @@ from rich.table import Table
 from rich.text import Text
 
 from inferwatch import contract
+from inferwatch.stack.demo import RESULT_COLUMNS, results_table_rows
 
 STATE_STYLE = {"firing": "bold red", "pending": "yellow", "inactive": "dim", "resolved": "green"}
 SEVERITY_STYLE = {
@@ -35,7 +36,7 @@ def _console() -> Console:
 class LineReporter:
     """One line per event, and the traffic every 10 seconds: readable in a CI log."""
 
-    def __init__(self, demo, console: Console) -> None:  # demo: inferwatch.demo.Demo
+    def __init__(self, demo, console: Console) -> None:  # demo: inferwatch.stack.demo.Demo
         self.demo = demo
         self.console = console
         self._last_traffic = 0.0
@@ -178,9 +179,7 @@ def make_reporter(demo) -> Iterator[LineReporter | LiveReporter]:
         yield LineReporter(demo, console)
 
 
-def print_results(result) -> None:  # result: inferwatch.demo.DemoResult
-    from inferwatch.demo import RESULT_COLUMNS, results_table_rows
-
+def print_results(result) -> None:  # result: inferwatch.stack.demo.DemoResult
     console = _console()
     table = Table(title="fault → page: detection delay against the theoretical minimum", title_justify="left")
     for col in RESULT_COLUMNS:
@@ -189,9 +188,10 @@ def print_results(result) -> None:  # result: inferwatch.demo.DemoResult
         table.add_row(*(Text(cell) for cell in row))  # "[critical]" is text, not markup
     console.print(table)
     console.print(
-        "theoretical min = the rule's condition time (N-1 whole error windows, or the rule's 'for') "
-        "+ one evaluation interval + the route's group_wait, all from the spec; a delay can undercut "
-        "it by up to one evaluation interval when an evaluation happens to follow the fault at once",
+        "theoretical min = the rule's condition time (N-1 whole error windows and two scrapes of the "
+        "first, or the rule's 'for') + one evaluation interval + the route's group_wait, all from the "
+        "spec; the error burst starts one scrape short of a whole window before a window ends; a delay "
+        "can undercut the minimum by up to one evaluation interval when an evaluation follows at once",
         highlight=False,
     )
     if result.steady_pages:

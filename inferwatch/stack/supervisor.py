@@ -24,7 +24,9 @@ from pathlib import Path
 
 import httpx
 
-from inferwatch.stack.log import log
+from inferwatch import logs
+
+log = logs.get("inferwatch.stack")
 
 # A process identity that survives pid reuse: (pid, start time in clock ticks since boot).
 ProcId = tuple[int, int]
@@ -147,7 +149,7 @@ class Supervisor:
         running = Running(component, proc)
         running.snapshot()
         self.running.append(running)
-        log("info", "starting", component=component.name, pid=proc.pid, log=str(component.log_path))
+        log.info("starting", component=component.name, pid=proc.pid, log=str(component.log_path))
         return running
 
     def wait_ready(self, running: Running, on_wait: Callable[[float], None] | None = None) -> float:
@@ -185,7 +187,7 @@ class Supervisor:
                 self.stop_event.wait(0.2)
         running.snapshot()
         took = time.monotonic() - t0
-        log("info", "ready", component=comp.name, pid=running.proc.pid, seconds=f"{took:.1f}")
+        log.info("ready", component=comp.name, pid=running.proc.pid, seconds=f"{took:.1f}")
         return took
 
     def check(self) -> Running | None:
@@ -212,7 +214,7 @@ class Supervisor:
         try:
             running.proc.wait(timeout)
         except subprocess.TimeoutExpired:
-            log("warning", "did not stop in time; killing", component=name, pid=pid, seconds=timeout)
+            log.warning("did not stop in time; killing", component=name, pid=pid, seconds=timeout)
             try:
                 os.killpg(pid, signal.SIGKILL)
             except ProcessLookupError:
@@ -228,11 +230,11 @@ class Supervisor:
             time.sleep(0.1)
             left = [p for p in left if alive(p)]
         for proc_id in left:
-            log("warning", "killing a leftover process", component=name, pid=proc_id[0])
+            log.warning("killing a leftover process", component=name, pid=proc_id[0])
             _signal(proc_id, signal.SIGKILL)
         time.sleep(0.05 if left else 0)
         survivors = [p for p in running.seen if alive(p)]
-        log("info", "stopped", component=name, pid=pid, code=running.proc.returncode)
+        log.info("stopped", component=name, pid=pid, code=running.proc.returncode)
         return survivors
 
     def stop_all(self, timeout: float = 15.0) -> list[ProcId]:
@@ -242,7 +244,7 @@ class Supervisor:
             try:
                 survivors += self.stop_one(running, timeout)
             except Exception as exc:  # one component's trouble must not leave the others running
-                log("error", "stop failed", component=running.component.name, error=repr(exc))
+                log.error("stop failed", component=running.component.name, error=repr(exc))
                 survivors += [p for p in running.seen if alive(p)]
         return survivors
 

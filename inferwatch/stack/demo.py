@@ -6,17 +6,12 @@ one model, a latency regression in the ranker canary, GPU memory pressure on the
 simulated exporter); then recovery. Every page is read back from the pager receiver, so
 what the table reports is what an on-call engineer would have received.
 
-Timing comes from the fleet spec alone (``fleet.demo.yaml`` scales minutes to seconds):
-the steady phase is long enough for every rule to have fired from a cold start
-(``default_steady``), and each fault's theoretical minimum delay is its rule's condition
-time (``condition_seconds``) plus one evaluation interval plus the group wait of its
-severity's route.
+Timing comes from the fleet spec alone (``timing.py``); what the stack shows comes from
+``observe.py``; what a person sees is ``demo_view.py``. This module plays the scenario.
 """
 
 from __future__ import annotations
 
-import argparse
-import json
 import threading
 import time
 from collections.abc import Callable
@@ -24,10 +19,21 @@ from dataclasses import asdict, dataclass, field
 
 import httpx
 
-from inferwatch import contract
-from inferwatch.spec import FleetSpec, duration_seconds
+from inferwatch import contract, logs
+from inferwatch.spec import FleetSpec
 from inferwatch.stack.core import StackInfo
-from inferwatch.stack.log import log
+from inferwatch.stack.observe import AlertState, Observer, Page
+from inferwatch.stack.timing import (
+    deadline_after,
+    default_steady,
+    next_error_window_start,
+    resolve_bound,
+    theoretical_minimum,
+)
+
+log = logs.get("inferwatch.demo")
+
+DEFAULT_RATE = 20.0  # requests per second of the steady traffic
 
 PHASE_STEADY = "steady"
 PHASE_FAULTS = "faults"
@@ -46,115 +52,6 @@ TRAFFIC_MIX = (
 )
 
 
-# ---------------------------------------------------------------------------------------
-# Timing, from the spec
-# ---------------------------------------------------------------------------------------
-def route_for(spec: FleetSpec, severity: str):
-    return {
-        contract.SEVERITY_CRITICAL: spec.routing.critical,
-        contract.SEVERITY_WARNING: spec.routing.warning,
-        contract.SEVERITY_INFO: spec.routing.info,
-    }[severity]
-
-
-def condition_seconds(spec: FleetSpec, alertname: str) -> float:
-    """The shortest time a fault must last before its rule's condition holds, per the spec.
-
-    The error rule judges N consecutive tumbling windows aligned to multiples of the window
-    (alert_rules/groups/errors.py): a burst that starts late in one window can make that
-    window's ratio cross the threshold, so N windows are satisfied after N-1 whole windows
-    and a part of the first. The latency and GPU rules hold their condition for ``for``.
-    """
-    a = spec.alerts
-    if alertname == contract.ALERT_HIGH_ERROR_RATE:
-        return (a.error_rate.consecutive_windows - 1) * duration_seconds(a.error_rate.window)
-    if alertname == contract.ALERT_HIGH_P99_LATENCY:
-        return duration_seconds(a.latency.for_)
-    if alertname == contract.ALERT_GPU_MEMORY_PRESSURE:
-        return duration_seconds(a.gpu_memory.for_)
-    raise KeyError(alertname)
-
-
-def theoretical_minimum(spec: FleetSpec, alertname: str) -> float:
-    """Condition time + one evaluation interval + the group wait of the alert's route."""
-    severity = contract.TIERED_ALERTS[alertname]
-    return (
-        condition_seconds(spec, alertname)
-        + duration_seconds(spec.prometheus.evaluation_interval)
-        + duration_seconds(route_for(spec, severity).group_wait)
-    )
-
-
-def resolve_bound(spec: FleetSpec, alertname: str) -> float:
-    """Expected time from clearing a fault to its resolved notification: the data window
-    the condition looks at, an evaluation, and Alertmanager's group interval."""
-    a = spec.alerts
-    window = {
-        contract.ALERT_HIGH_ERROR_RATE: duration_seconds(a.error_rate.window),
-        contract.ALERT_HIGH_P99_LATENCY: duration_seconds(a.latency.window),
-        contract.ALERT_GPU_MEMORY_PRESSURE: duration_seconds(spec.prometheus.scrape_interval),
-    }[alertname]
-    severity = contract.TIERED_ALERTS[alertname]
-    return (
-        window
-        + duration_seconds(spec.prometheus.evaluation_interval)
-        + duration_seconds(route_for(spec, severity).group_interval)
-    )
-
-
-def default_steady(spec: FleetSpec) -> float:
-    """A steady phase long enough for every tier's rule to have fired from a cold start had
-    anything been wrong: the longest time a rule needs (N error windows of data, or a
-    ``for``), one evaluation, the longest group wait. So "nothing paged while healthy" is a
-    statement about every rule."""
-    a = spec.alerts
-    spans = (
-        a.error_rate.consecutive_windows * duration_seconds(a.error_rate.window),
-        duration_seconds(a.latency.for_),
-        duration_seconds(a.gpu_memory.for_),
-    )
-    routes = (spec.routing.critical, spec.routing.warning, spec.routing.info)
-    wait = max(duration_seconds(r.group_wait) for r in routes)
-    return max(spans) + duration_seconds(spec.prometheus.evaluation_interval) + wait
-
-
-def deadline_after(minimum: float) -> float:
-    """How long past its theoretical minimum a notification may take on a busy machine
-    before the demo calls it lost."""
-    return max(2.0 * minimum, minimum + 45.0)
-
-
-# ---------------------------------------------------------------------------------------
-# What the demo observes
-# ---------------------------------------------------------------------------------------
-@dataclass
-class Page:
-    """One alert occurrence as the pager stores it: firing until its resolved
-    notification arrives (the pager keys it by receiver, fingerprint and start)."""
-
-    key: str
-    alertname: str
-    severity: str
-    labels: dict[str, str]
-    annotations: dict[str, str]
-    status: str  # firing | resolved
-    received_at: float  # when its first (firing) notification arrived, epoch seconds
-    last_received_at: float  # the latest notification (the resolved one, once resolved)
-    notifications: int = 1
-    receiver: str = ""
-
-    @property
-    def resolved_at(self) -> float | None:
-        return self.last_received_at if self.status == "resolved" else None
-
-    def ident(self) -> str:
-        keys = [k for k in (*contract.MODEL_ALERT_LABELS, contract.L_GPU) if k in self.labels]
-        return ", ".join(f"{k}={self.labels[k]}" for k in keys)
-
-    def describe(self) -> str:
-        return f"{self.alertname} [{self.severity}] {self.ident()}".strip()
-
-
 @dataclass
 class Fault:
     key: str
@@ -165,6 +62,7 @@ class Fault:
     minimum_s: float
     resolve_bound_s: float
     injected_at: float | None = None
+    active_at: float | None = None  # Prometheus' activeAt of the alert: pending (or firing) since
     page_at: float | None = None
     cleared_at: float | None = None
     resolved_at: float | None = None
@@ -251,174 +149,6 @@ class DemoResult:
         }
 
 
-def _epoch(value: object) -> float | None:
-    """Epoch seconds from a number or an ISO 8601 string."""
-    if isinstance(value, int | float):
-        return float(value)
-    if isinstance(value, str) and value:
-        from datetime import datetime
-
-        try:
-            return datetime.fromisoformat(value.replace("Z", "+00:00")).timestamp()
-        except ValueError:
-            return None
-    return None
-
-
-def parse_pages(data: object, now: float) -> list[Page]:
-    """The pager's ``GET /pages`` answer (``{"pages": [...]}``) as Page records."""
-    items = data.get("pages", []) if isinstance(data, dict) else []
-    out = []
-    for item in items:
-        if not isinstance(item, dict):
-            continue
-        labels = {str(k): str(v) for k, v in (item.get("labels") or {}).items()}
-        first = _epoch(item.get("first_received_at")) or now
-        out.append(
-            Page(
-                key=f"{item.get('receiver', '')}|{item.get('fingerprint', '')}|{item.get('starts_at', '')}",
-                alertname=str(item.get("alertname") or labels.get("alertname", "")),
-                severity=str(item.get("severity") or labels.get("severity", "")),
-                labels=labels,
-                annotations={str(k): str(v) for k, v in (item.get("annotations") or {}).items()},
-                status=str(item.get("status", "")),
-                received_at=first,
-                last_received_at=_epoch(item.get("last_received_at")) or first,
-                notifications=int(item.get("notifications", 1)),
-                receiver=str(item.get("receiver", "")),
-            )
-        )
-    return out
-
-
-@dataclass
-class AlertState:
-    alertname: str
-    labels: dict[str, str]
-    state: str  # pending | firing
-    active_at: float | None
-
-    def ident(self) -> str:
-        keys = [k for k in (*contract.MODEL_ALERT_LABELS, contract.L_GPU) if k in self.labels]
-        return ",".join(f"{k}={self.labels[k]}" for k in keys)
-
-
-class Observer:
-    """Polls Prometheus (alerts, traffic) and the pager (pages) once a second in a thread,
-    and hands changes to callbacks."""
-
-    def __init__(
-        self,
-        info: StackInfo,
-        spec: FleetSpec,
-        on_page: Callable[[Page, str], None],
-        on_alert: Callable[[AlertState, str], None],
-        interval: float = 1.0,
-    ) -> None:
-        self.info = info
-        self.interval = interval
-        self.on_page = on_page
-        self.on_alert = on_alert
-        self.alerts: dict[tuple, AlertState] = {}
-        self.rates: dict[tuple[str, str], tuple[float, float]] = {}
-        self.seen_pages: dict[str, str] = {}  # key -> status already reported
-        self.errors = 0
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="demo-observer", daemon=True)
-        self._lock = threading.Lock()
-        token = info.token_file.read_text().strip() if info.token_file.exists() else ""
-        self._client = httpx.Client(
-            timeout=3.0, trust_env=False, headers={"Authorization": f"Bearer {token}"} if token else {}
-        )
-        rate_window = f"{max(4 * duration_seconds(spec.prometheus.scrape_interval), 10):g}s"
-        req = contract.REQUESTS_TOTAL.name
-        by = f"{contract.L_MODEL}, {contract.L_VERSION}"
-        err = f'{contract.L_OUTCOME}="{contract.OUTCOME_SERVER_ERROR}"'
-        self._rate_query = f"sum by ({by}) (rate({req}[{rate_window}]))"
-        self._error_query = f"sum by ({by}) (rate({req}{{{err}}}[{rate_window}]))"
-
-    def baseline(self) -> None:
-        """Remember the pages already stored (from an earlier run), so only new ones count."""
-        for page in self._fetch_pages():
-            self.seen_pages[page.key] = "resolved"  # an old occurrence never counts again
-
-    def start(self) -> None:
-        self.baseline()
-        self._thread.start()
-
-    def stop(self) -> None:
-        self._stop.set()
-        self._thread.join(timeout=10)
-        self._client.close()
-
-    def poll_once(self) -> None:
-        for page in self._fetch_pages():
-            seen = self.seen_pages.get(page.key)
-            if seen is None:
-                self.seen_pages[page.key] = "firing"
-                self.on_page(page, "firing")
-                seen = "firing"
-            if page.status == "resolved" and seen != "resolved":
-                self.seen_pages[page.key] = "resolved"
-                self.on_page(page, "resolved")
-        self._poll_alerts()
-        self._poll_rates()
-
-    def _run(self) -> None:
-        while not self._stop.is_set():
-            try:
-                self.poll_once()
-            except httpx.HTTPError as exc:
-                self.errors += 1
-                log("warning", "demo poll failed", error=type(exc).__name__)
-            self._stop.wait(self.interval)
-
-    def _fetch_pages(self) -> list[Page]:
-        resp = self._client.get(self.info.url("pager", "/pages"), params={"limit": "5000"})
-        resp.raise_for_status()
-        return sorted(parse_pages(resp.json(), time.time()), key=lambda p: (p.received_at, p.key))
-
-    def _poll_alerts(self) -> None:
-        resp = self._client.get(self.info.url("prometheus", "/api/v1/alerts"))
-        resp.raise_for_status()
-        current: dict[tuple, AlertState] = {}
-        for a in resp.json().get("data", {}).get("alerts", []):
-            labels = a.get("labels", {})
-            key = tuple(sorted(labels.items()))
-            current[key] = AlertState(
-                labels.get("alertname", ""), labels, a.get("state", ""), _epoch(a.get("activeAt"))
-            )
-        with self._lock:
-            previous = self.alerts
-            self.alerts = current
-        for key, alert in current.items():
-            old = previous.get(key)
-            if old is None or old.state != alert.state:
-                self.on_alert(alert, old.state if old else "inactive")
-        for key, alert in previous.items():
-            if key not in current:
-                self.on_alert(AlertState(alert.alertname, alert.labels, "inactive", None), alert.state)
-
-    def _query(self, query: str) -> dict[tuple[str, str], float]:
-        resp = self._client.get(self.info.url("prometheus", "/api/v1/query"), params={"query": query})
-        resp.raise_for_status()
-        out = {}
-        for r in resp.json().get("data", {}).get("result", []):
-            m = r.get("metric", {})
-            out[(m.get(contract.L_MODEL, ""), m.get(contract.L_VERSION, ""))] = float(r["value"][1])
-        return out
-
-    def _poll_rates(self) -> None:
-        total = self._query(self._rate_query)
-        errors = self._query(self._error_query)
-        with self._lock:
-            self.rates = {k: (v, errors.get(k, 0.0)) for k, v in sorted(total.items())}
-
-    def snapshot(self) -> tuple[dict[tuple, AlertState], dict[tuple[str, str], tuple[float, float]]]:
-        with self._lock:
-            return dict(self.alerts), dict(self.rates)
-
-
 # ---------------------------------------------------------------------------------------
 # Actions on the stack
 # ---------------------------------------------------------------------------------------
@@ -487,7 +217,7 @@ def simulate_gpu(info: StackInfo, body: dict) -> bool:
 @dataclass
 class Scenario:
     steady_s: float | None = None  # default: default_steady(spec)
-    rate: float = 20.0
+    rate: float = DEFAULT_RATE
     mix: tuple[tuple[str, str, float], ...] = TRAFFIC_MIX
     error_model: str = "dense_unbatched"
     error_version: str = "1"
@@ -599,9 +329,19 @@ class Demo:
                         f.resolved_pages += 1
         at = page.received_at if event == "firing" else page.last_received_at
         self.reporter.event(f"page {event}: {page.describe()} (t+{at - r.started_at:.1f}s)")
-        log("info", "page received", status=event, alert=page.alertname, labels=page.ident())
+        log.info("page received", status=event, alert=page.alertname, labels=page.ident())
 
     def _on_alert(self, alert: AlertState, old: str) -> None:
+        with self._lock:
+            for f in self.faults:
+                if (
+                    f.active_at is None
+                    and f.injected_at is not None
+                    and alert.state in ("pending", "firing")
+                    and alert.alertname == f.alertname
+                    and all(alert.labels.get(k) == v for k, v in f.match.items())
+                ):
+                    f.active_at = alert.active_at
         self.reporter.event(f"alert {alert.alertname} {{{alert.ident()}}}: {old} -> {alert.state}")
 
     # -- phases ----------------------------------------------------------------------------
@@ -609,7 +349,7 @@ class Demo:
         self.phase = phase
         self.phase_started = time.time()
         self.reporter.phase(phase, text)
-        log("info", "demo phase", phase=phase, detail=text)
+        log.info("demo phase", phase=phase, detail=text)
 
     def _sleep(self, seconds: float) -> bool:
         """Sleep while ticking the view; False when stopped or the traffic died."""
@@ -647,6 +387,9 @@ class Demo:
                 PHASE_STEADY, f"{r.steady_s:g}s of steady traffic at {self.sc.rate:g} req/s: nothing may page"
             )
             if not self._sleep(r.steady_s):
+                return self._finish()
+            # The error burst starts at a fixed place in its rule's window (error_burst_lead).
+            if not self._sleep(next_error_window_start(self.spec, time.time()) - time.time()):
                 return self._finish()
             r.faults_started_at = time.time()
             self._set_phase(PHASE_FAULTS, "injecting one fault per alert tier")
@@ -698,82 +441,12 @@ class Demo:
         self.reporter.event(
             f"injected: {f.title} (expect {f.alertname} [{f.severity}] in >= {f.minimum_s:g}s)"
         )
-        log("info", "fault injected", fault=f.key, alert=f.alertname, minimum_s=f"{f.minimum_s:g}")
+        log.info("fault injected", fault=f.key, alert=f.alertname, minimum_s=f"{f.minimum_s:g}")
 
     def _finish(self) -> DemoResult:
         self.result.ended_at = time.time()
         self._set_phase(PHASE_DONE, "finished" if self.result.ok else "; ".join(self.result.problems()))
         return self.result
-
-
-# ---------------------------------------------------------------------------------------
-# The command
-# ---------------------------------------------------------------------------------------
-def main(args: argparse.Namespace) -> int:
-    from inferwatch.cli import CliError
-    from inferwatch.stack.cli import setup_logging, stack_config, stop_on_signals, stop_stack
-    from inferwatch.stack.core import Stack, StackError, running_stack
-    from inferwatch.stack.demo_view import make_reporter, print_results
-    from inferwatch.stack.supervisor import StartError
-    from inferwatch.stack.view import console, print_summary, start_progress
-
-    config = stack_config(args)
-    setup_logging(config.state_dir)
-    scenario = Scenario(steady_s=args.steady, rate=args.rate)
-    if scenario.rate <= 0:
-        raise CliError("--rate must be above 0", 2)
-    if scenario.steady_s is not None and scenario.steady_s < 0:
-        raise CliError("--steady must be 0 or more seconds", 2)
-    with stop_on_signals() as stop:
-        stack: Stack | None = None
-        info = running_stack(config.state_dir)
-        if info is not None:
-            log("info", "using the running stack", state_dir=str(info.state_dir), spec=str(info.spec_path))
-        else:
-            config.gpu_backend = "simulated"  # the demo pushes the simulated GPU into memory pressure
-            stack = Stack(config, stop)
-            try:
-                stack.preflight()
-                with start_progress() as progress:
-                    info = stack.start(progress)
-            except StartError as exc:
-                if stop.is_set():
-                    return 130
-                raise CliError(str(exc)) from None
-            except StackError as exc:
-                raise CliError(str(exc)) from None
-        try:
-            if stack is not None:
-                print_summary(stack)
-            spec = info.spec()
-            demo = Demo(info, spec, scenario, stop)
-            minutes = demo.expected_seconds() / 60
-            if stack is None and minutes > 6:
-                console.print(
-                    f"the running stack uses {info.spec_path.name}: this incident takes about {minutes:.0f} "
-                    "minutes; for the short demo stop that stack and run `inferwatch demo` (fleet.demo.yaml)"
-                )
-            try:
-                with make_reporter(demo) as reporter:
-                    result = demo.run(reporter)
-            except httpx.HTTPError as exc:
-                raise CliError(
-                    f"the stack stopped answering during the demo ({type(exc).__name__}: {exc}); "
-                    f"see the logs under {info.state_dir / 'logs'}"
-                ) from None
-            if args.json:
-                args.json.write_text(json.dumps(result.to_json(), indent=2))
-            print_results(result)
-            if stack is not None and args.keep_running and not stop.is_set():
-                console.print(f"the stack keeps running (state under {info.state_dir}); Ctrl-C stops it")
-                while not stop.wait(1.0) and stack.check() is None:
-                    pass
-        finally:
-            if stack is not None:
-                stop_stack(stack)
-        if result.aborted == "interrupted":
-            return 130
-        return 0 if result.ok else 1
 
 
 def results_table_rows(result: DemoResult) -> list[list[str]]:
