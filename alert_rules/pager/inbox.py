@@ -28,7 +28,7 @@ table { border-collapse: collapse; width: 100%; table-layout: fixed; }
 th { text-align: left; font-size: 12px; color: #555; border-bottom: 2px solid #ccc; padding: 4px 6px; }
 td { border-bottom: 1px solid #e3e3e3; padding: 6px; vertical-align: top; overflow-wrap: anywhere; }
 col.c-state { width: 112px; } col.c-model { width: 150px; } col.c-since { width: 150px; }
-col.c-links { width: 96px; } col.c-recv { width: 96px; }
+col.c-links { width: 96px; } col.c-recv { width: 110px; }
 .badge { display: inline-block; border-radius: 3px; padding: 1px 6px; font-size: 12px; font-weight: 600; }
 .sev-critical { background: #b3261e; color: #fff; } .sev-warning { background: #f2a60d; color: #1d1d1f; }
 .sev-info { background: #d6e4f5; color: #17375e; } .sev-other { background: #e3e3e3; color: #1d1d1f; }
@@ -94,9 +94,9 @@ def _row(page: dict, now: datetime) -> str:
         target = e(page["model"]) + version
     else:
         # GPU and target alerts: what identifies the broken thing.
-        target = " ".join(
-            f'<span class="meta">{e(k)}</span> {e(labels[k])}'
-            for k in ("Hostname", "gpu", "instance", "upstream")
+        target = "".join(
+            f'<div><span class="meta">{e(k)}</span> {e(labels[k])}</div>'
+            for k in ("Hostname", "gpu", "upstream", "instance")
             if k in labels
         )
     rest = ", ".join(f"{e(k)}={e(v)}" for k, v in sorted(labels.items()) if k not in _SHOWN)
