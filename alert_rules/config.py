@@ -64,6 +64,19 @@ class SloTarget:
 
 
 @dataclass(frozen=True, slots=True)
+class AlertTiming:
+    """How long an alert's rule takes, from the spec: what the demo and the alert-pipeline
+    benchmark wait for, exported by the alert's group (``timing(cfg)``) so nothing else
+    recomputes it from the spec."""
+
+    alertname: str
+    # The shortest time a fault must last before the rule's condition holds.
+    condition_s: float
+    # The data window the condition looks at: how long it still holds after the fault clears.
+    window_s: float
+
+
+@dataclass(frozen=True, slots=True)
 class RulesConfig:
     # errors (critical)
     error_threshold: float
@@ -76,13 +89,23 @@ class RulesConfig:
     latency_factor: float
     latency_window: str
     latency_for: str
+    latency_window_s: float
+    latency_for_s: float
     default_sla_seconds: float
     # GPU memory (info)
     gpu_threshold: float
     gpu_for: str
+    gpu_for_s: float
     # health
+    scrape_interval_s: float
     target_down_for: str
     slos: tuple[SloTarget, ...]
+    # canary (warning): versions of a model against each other
+    canary_window: str
+    canary_min_requests: int
+    canary_max_error_increase: float
+    canary_max_latency_increase: float
+    canary_for: str
     # links
     runbook_base_url: str
     grafana_url: str
@@ -100,12 +123,6 @@ class RulesConfig:
             (spec.links.grafana_url, "links.grafana_url"),
             (spec.prometheus.scrape_interval, "prometheus.scrape_interval"),
         ):
-    # canary (warning): versions of a model against each other
-    canary_window: str
-    canary_min_requests: int
-    canary_max_error_increase: float
-    canary_max_latency_increase: float
-    canary_for: str
             _required(value, name)
         slos = tuple(
             SloTarget(m.name, m.slo.objective, m.slo.period, duration_seconds(m.slo.period))
@@ -122,13 +139,22 @@ class RulesConfig:
             latency_factor=lat.sla_factor,
             latency_window=lat.window,
             latency_for=lat.for_,
+            latency_window_s=duration_seconds(lat.window),
+            latency_for_s=duration_seconds(lat.for_),
             default_sla_seconds=spec.defaults.latency_sla_ms / 1000.0,
             gpu_threshold=gpu.threshold,
             gpu_for=gpu.for_,
+            gpu_for_s=duration_seconds(gpu.for_),
+            scrape_interval_s=duration_seconds(spec.prometheus.scrape_interval),
             target_down_for=fmt_duration(
                 TARGET_DOWN_SCRAPES * duration_seconds(spec.prometheus.scrape_interval)
             ),
             slos=slos,
+            canary_window=spec.canary.window,
+            canary_min_requests=spec.canary.min_requests,
+            canary_max_error_increase=spec.canary.max_error_ratio_increase,
+            canary_max_latency_increase=spec.canary.max_latency_increase,
+            canary_for=spec.canary.for_,
             runbook_base_url=spec.links.runbook_base_url.rstrip("/"),
             grafana_url=spec.links.grafana_url.rstrip("/"),
         )
@@ -141,8 +167,3 @@ class RulesConfig:
     def quantile_name(self) -> str:
         """``P99`` for 0.99, ``P99.9`` for 0.999."""
         return f"P{self.latency_quantile * 100:g}"
-            canary_window=spec.canary.window,
-            canary_min_requests=spec.canary.min_requests,
-            canary_max_error_increase=spec.canary.max_error_ratio_increase,
-            canary_max_latency_increase=spec.canary.max_latency_increase,
-            canary_for=spec.canary.for_,

@@ -1,4 +1,5 @@
-"""Small PromQL builders shared by the alert groups, so each selector is written once."""
+"""Small PromQL builders shared by the alert groups and the dashboards, so each selector is
+written once and a panel showing an alert's signal builds it with the alert's own code."""
 
 from __future__ import annotations
 
@@ -28,6 +29,12 @@ def server_error_ratio(window: str, by: str, min_rate: float = 0.0) -> str:
     errors = f"sum by ({by}) (rate({requests(c.OUTCOME_SERVER_ERROR)}[{window}]))"
     total = request_rate(window, by)
     return f"(\n  {errors}\n  or\n  0 * {total}\n)\n/\n({total} > {min_rate:g})"
+
+
+def recorded(name: str, *matchers: str) -> str:
+    """A recorded series, narrowed by ``matchers`` (a dashboard adds its variables this way)."""
+    body = ", ".join(m for m in matchers if m)
+    return f"{name}{{{body}}}" if body else name
 
 
 def indent(expr: str, spaces: int = 2) -> str:

@@ -9,6 +9,11 @@ from __future__ import annotations
 
 from grafanalib import core as g
 
+from alert_rules import promql
+from alert_rules.config import RulesConfig
+from alert_rules.groups import errors as error_alert
+from alert_rules.groups import gpu as gpu_alert
+from alert_rules.groups import latency as latency_alert
 from dashboards import panels as p
 from dashboards import urls
 from inferwatch import contract as c
@@ -18,15 +23,10 @@ NAME = urls.FLEET_OVERVIEW
 
 
 def dashboard(spec: FleetSpec) -> g.Dashboard:
-    er = spec.alerts.error_rate
-    lat = spec.alerts.latency
-    gpu_mem = spec.alerts.gpu_memory
-    default_sla = spec.defaults.latency_sla_ms / 1000.0
-    q_label = p.quantile_label(lat.quantile)
-    factor = f"{lat.sla_factor:g}"
+    cfg = RulesConfig.from_spec(spec)
+    q_label = cfg.quantile_name
+    factor = f"{cfg.latency_factor:g}"
     sel = p.MODEL_VERSION_SEL
-    bucket = c.REQUEST_DURATION.name + "_bucket"
-    server_error = sel + f', outcome="{c.OUTCOME_SERVER_ERROR}"'
     timeouts = sel + ', code=~"' + "|".join(p.TIMEOUT_CODES) + '"'
     model, host, gpu = p.series_label(c.L_MODEL), p.series_label(c.L_HOSTNAME), p.series_label(c.L_GPU)
     to_model = p.data_link(urls.MODEL_DETAIL, f"Model detail: {model}", ["namespace"], model=model)
@@ -37,34 +37,37 @@ def dashboard(spec: FleetSpec) -> g.Dashboard:
         [
             p.timeseries(
                 "Request rate by model",
-                "Requests per second the sidecars answered, all outcomes.",
-                p.targets((f"sum by (model) ({p.rate(c.REQUESTS_TOTAL, sel)})", "{{model}}")),
+                f"Requests per second the sidecars answered, all outcomes (recorded over {cfg.error_window}, "
+                f"{p.ACROSS_NAMESPACES}).",
+                p.targets(
+                    (
+                        f"sum by (model) ({promql.recorded(c.REC_REQUEST_RATE, p.REC_MODEL_VERSION_SEL)})",
+                        "{{model}}",
+                    )
+                ),
                 "reqps",
                 "requests/s",
                 links=[to_model],
                 w=8,
             ),
             p.timeseries(
-                "Server-error ratio by model",
+                "Server-error ratio by model and version",
                 f"Share of requests that failed on the server side (5xx, gRPC server codes, upstream "
-                f"failures) over {er.window} windows, as the paging alert computes it. The alert pages when "
-                f"this stays above {er.threshold:.2%} (red line) for {er.consecutive_windows} consecutive "
+                f"failures) over {cfg.error_window} windows: the paging alert's own recorded ratio, per "
+                f"model and version as it judges them ({p.ACROSS_NAMESPACES}). The alert pages when this "
+                f"stays above {cfg.error_threshold:.2%} (red line) for {cfg.error_windows} consecutive "
                 f"windows. Healthy: under {p.HEALTHY_ERROR_RATIO:.1%} (green band).",
                 p.targets(
                     (
-                        p.ratio_or_zero(
-                            p.rate(c.REQUESTS_TOTAL, server_error, er.window),
-                            p.rate(c.REQUESTS_TOTAL, sel, er.window),
-                            "model",
-                        ),
-                        "{{model}}",
+                        p.name_unversioned(error_alert.signal(p.REC_MODEL_VERSION_SEL)),
+                        "{{model}} version {{version}}",
                     )
                 ),
                 "percentunit",
                 "server errors / requests",
-                thresholds=p.steps(p.OK, (p.HEALTHY_ERROR_RATIO, p.NONE), (er.threshold, p.BAD)),
+                thresholds=p.steps(p.OK, (p.HEALTHY_ERROR_RATIO, p.NONE), (cfg.error_threshold, p.BAD)),
                 thresholds_style="line+area",
-                soft_max=er.threshold * 1.5,
+                soft_max=cfg.error_threshold * 1.5,
                 links=[to_model],
                 w=8,
             ),
@@ -95,23 +98,25 @@ def dashboard(spec: FleetSpec) -> g.Dashboard:
         "Latency against the SLA",
         [
             p.timeseries(
-                f"{q_label} latency / SLA by model",
-                f"{q_label} latency over {lat.window} divided by the model's SLA (the sidecar's exported "
-                f"SLA, else the spec's default {default_sla:g}s). 100% is the SLA (orange line); the warning "
-                f"alert fires above {factor}x the SLA (red line) held for {lat.for_}.",
+                f"{q_label} latency / SLA by model and version",
+                f"{q_label} latency over {cfg.latency_window} (the warning alert's recorded quantile, "
+                f"{p.ACROSS_NAMESPACES}) divided by the model's SLA (the sidecar's exported SLA, else the "
+                f"spec's default {cfg.default_sla_seconds:g}s). 100% is the SLA (orange line); the alert "
+                f"fires above {factor}x the SLA (red line) held for {cfg.latency_for}.",
                 p.targets(
                     (
-                        p.quantile(lat.quantile, p.rate(bucket, sel, lat.window), "model")
-                        + " / on (model) "
-                        + p.sla_seconds(p.MODEL_SEL, "model", default_sla, lat.window),
-                        "{{model}}",
+                        p.name_unversioned(
+                            f"{latency_alert.quantile_signal(cfg.latency_quantile, p.REC_MODEL_VERSION_SEL)}"
+                            f" / {latency_alert.SLA_MATCH} {latency_alert.sla_signal(p.REC_MODEL_SEL)}"
+                        ),
+                        "{{model}} version {{version}}",
                     )
                 ),
                 "percentunit",
                 f"{q_label} / SLA",
-                thresholds=p.steps(p.NONE, (1.0, p.WARN), (lat.sla_factor, p.BAD)),
+                thresholds=p.steps(p.NONE, (1.0, p.WARN), (cfg.latency_factor, p.BAD)),
                 thresholds_style="dashed",
-                soft_max=lat.sla_factor * 1.25,
+                soft_max=cfg.latency_factor * 1.25,
                 links=[to_model],
                 w=12,
             ),
@@ -129,15 +134,20 @@ def dashboard(spec: FleetSpec) -> g.Dashboard:
             ),
             p.timeseries(
                 "Latency: $model",
-                f"P50, P95 and {q_label} of the sidecar's request duration for one model, against its SLA "
-                f"(orange, dashed) and {factor}x the SLA (red, dashed).",
+                f"P50 and {q_label} of the sidecar's request duration over {cfg.latency_window} per version "
+                f"of one model (the recorded quantiles the warning alert compares, "
+                f"{p.ACROSS_NAMESPACES}), against its SLA (orange, dashed) and {factor}x the SLA (red, "
+                f"dashed): the alert fires while {q_label} stays above the red line for {cfg.latency_for}.",
                 p.targets(
                     *(
-                        (p.quantile(q, p.rate(bucket, sel), ""), p.quantile_label(q))
-                        for q in sorted({0.5, 0.95, lat.quantile})
+                        (
+                            p.name_unversioned(latency_alert.quantile_signal(q, p.REC_MODEL_VERSION_SEL)),
+                            f"{p.quantile_label(q)} version {{{{version}}}}",
+                        )
+                        for q in sorted({0.5, cfg.latency_quantile})
                     ),
-                    (p.sla_seconds(p.MODEL_SEL, "", default_sla), "SLA"),
-                    (f"{factor} * " + p.sla_seconds(p.MODEL_SEL, "", default_sla), f"{factor}x SLA"),
+                    (latency_alert.sla_signal(p.REC_MODEL_SEL), "SLA"),
+                    (latency_alert.limit_expr(cfg, p.REC_MODEL_SEL), f"{factor}x SLA"),
                 ),
                 "s",
                 "latency",
@@ -153,12 +163,12 @@ def dashboard(spec: FleetSpec) -> g.Dashboard:
         [
             p.timeseries(
                 "GPU framebuffer used by GPU",
-                f"Framebuffer used / total per GPU. The info alert fires above {gpu_mem.threshold:.0%} "
-                f"(red line) held for {gpu_mem.for_}.",
-                p.targets((p.fb_used_ratio('Hostname=~"$host"'), "{{Hostname}} GPU {{gpu}}")),
+                f"Framebuffer used / total per GPU (the info alert's recorded ratio). The alert fires above "
+                f"{cfg.gpu_threshold:.0%} (red line) held for {cfg.gpu_for}.",
+                p.targets((gpu_alert.signal(p.HOST_SEL), "{{Hostname}} GPU {{gpu}}")),
                 "percentunit",
                 "used / total",
-                thresholds=p.steps(p.NONE, (gpu_mem.threshold, p.BAD)),
+                thresholds=p.steps(p.NONE, (cfg.gpu_threshold, p.BAD)),
                 thresholds_style="line+area",
                 max_=1,
                 links=[to_gpu],

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 from grafanalib import core as g
 
+from alert_rules.config import RulesConfig
+from alert_rules.groups import gpu as gpu_alert
 from dashboards import panels as p
 from dashboards import urls
 from inferwatch import contract as c
@@ -23,7 +25,7 @@ def _per_gpu(metric: c.Metric) -> str:
 
 
 def dashboard(spec: FleetSpec) -> g.Dashboard:
-    gpu_mem = spec.alerts.gpu_memory
+    cfg = RulesConfig.from_spec(spec)
     low, high = p.GPU_UTIL_BAND
     host, gpu = p.series_label(c.L_HOSTNAME), p.series_label(c.L_GPU)
     # GPU -> pod: the same dashboard narrowed to the clicked GPU, whose "GPU memory by pod"
@@ -47,12 +49,12 @@ def dashboard(spec: FleetSpec) -> g.Dashboard:
             ),
             p.timeseries(
                 "Framebuffer used / total",
-                f"GPU memory in use. The info alert fires above {gpu_mem.threshold:.0%} (red line) held "
-                f"for {gpu_mem.for_}; past it, a model load or a larger batch can fail with out-of-memory.",
-                p.targets((f"max by (Hostname, gpu) ({p.fb_used_ratio(p.GPU_SEL)})", LEGEND)),
+                f"GPU memory in use. The info alert fires above {cfg.gpu_threshold:.0%} (red line) held "
+                f"for {cfg.gpu_for}; past it, a model load or a larger batch can fail with out-of-memory.",
+                p.targets((f"max by (Hostname, gpu) ({gpu_alert.signal(p.GPU_SEL)})", LEGEND)),
                 "percentunit",
                 "used / total",
-                thresholds=p.steps(p.NONE, (gpu_mem.threshold, p.BAD)),
+                thresholds=p.steps(p.NONE, (cfg.gpu_threshold, p.BAD)),
                 thresholds_style="line+area",
                 max_=1,
                 links=[to_pods],

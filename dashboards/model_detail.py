@@ -9,6 +9,9 @@ from __future__ import annotations
 
 from grafanalib import core as g
 
+from alert_rules.config import RulesConfig
+from alert_rules.groups import errors as error_alert
+from alert_rules.groups import latency as latency_alert
 from dashboards import panels as p
 from dashboards import urls
 from inferwatch import contract as c
@@ -24,17 +27,13 @@ def _per_request_s(counter_us: c.Metric, tsel: str) -> str:
 
 
 def dashboard(spec: FleetSpec) -> g.Dashboard:
-    er = spec.alerts.error_rate
-    lat = spec.alerts.latency
-    default_sla = spec.defaults.latency_sla_ms / 1000.0
-    q_label = p.quantile_label(lat.quantile)
-    factor = f"{lat.sla_factor:g}"
+    cfg = RulesConfig.from_spec(spec)
+    q_label = cfg.quantile_name
+    factor = f"{cfg.latency_factor:g}"
     sel = p.MODEL_VERSION_SEL
     tsel = p.MODEL_VERSION_SEL  # Triton labels its series model and version too
     dur = c.REQUEST_DURATION.name
     bucket = dur + "_bucket"
-    sla = p.sla_seconds(p.MODEL_SEL, "", default_sla)
-    server_error = sel + f', outcome="{c.OUTCOME_SERVER_ERROR}"'
 
     latency = p.Row(
         "Latency",
@@ -52,7 +51,9 @@ def dashboard(spec: FleetSpec) -> g.Dashboard:
                 f"P50 and {q_label} latency by version",
                 "Sidecar latency per version ('default': requests that named no version, served by the "
                 "server's default version); a canary slower than the stable version shows here first. "
-                f"Dashed: the SLA (orange) and {factor}x the SLA (red). Dots on {q_label} are exemplars: "
+                f"Dashed: the SLA (orange) and {factor}x the SLA (red), as the warning alert compares them. "
+                "Quantiles here are at the dashboard's resolution from the raw histogram (the alert's are "
+                f"over {cfg.latency_window}, on the Fleet overview), so dots on {q_label} are exemplars: "
                 "click one to open its trace.",
                 [
                     p.target(
@@ -61,13 +62,13 @@ def dashboard(spec: FleetSpec) -> g.Dashboard:
                         "A",
                     ),
                     p.target(
-                        p.name_unversioned(p.quantile(lat.quantile, p.rate(bucket, sel), "version")),
+                        p.name_unversioned(p.quantile(cfg.latency_quantile, p.rate(bucket, sel), "version")),
                         f"version {{{{version}}}} {q_label}",
                         "B",
                         exemplar=True,
                     ),
-                    p.target(sla, "SLA", "C"),
-                    p.target(f"{factor} * {sla}", f"{factor}x SLA", "D"),
+                    p.target(latency_alert.sla_signal(p.REC_MODEL_SEL), "SLA", "C"),
+                    p.target(latency_alert.limit_expr(cfg, p.REC_MODEL_SEL), f"{factor}x SLA", "D"),
                 ],
                 "s",
                 "latency",
@@ -115,25 +116,20 @@ def dashboard(spec: FleetSpec) -> g.Dashboard:
             ),
             p.timeseries(
                 "Server-error ratio by version",
-                f"Server-side failures / requests over {er.window} windows. Red line: the paging threshold "
-                f"({er.threshold:.2%}); green band: healthy (under {p.HEALTHY_ERROR_RATIO:.1%}).",
+                f"Server-side failures / requests over {cfg.error_window} windows: the paging alert's own "
+                f"recorded ratio ({p.ACROSS_NAMESPACES}). Red line: the paging threshold "
+                f"({cfg.error_threshold:.2%}); green band: healthy (under {p.HEALTHY_ERROR_RATIO:.1%}).",
                 p.targets(
                     (
-                        p.name_unversioned(
-                            p.ratio_or_zero(
-                                p.rate(c.REQUESTS_TOTAL, server_error, er.window),
-                                p.rate(c.REQUESTS_TOTAL, sel, er.window),
-                                "version",
-                            )
-                        ),
+                        p.name_unversioned(error_alert.signal(p.REC_MODEL_VERSION_SEL)),
                         "version {{version}}",
                     )
                 ),
                 "percentunit",
                 "server errors / requests",
-                thresholds=p.steps(p.OK, (p.HEALTHY_ERROR_RATIO, p.NONE), (er.threshold, p.BAD)),
+                thresholds=p.steps(p.OK, (p.HEALTHY_ERROR_RATIO, p.NONE), (cfg.error_threshold, p.BAD)),
                 thresholds_style="line+area",
-                soft_max=er.threshold * 1.5,
+                soft_max=cfg.error_threshold * 1.5,
                 w=8,
             ),
             p.timeseries(

@@ -100,7 +100,13 @@ def gpu_var() -> g.Template:
 # ---------------------------------------------------------------------------------------
 MODEL_SEL = 'namespace=~"$namespace", model=~"$model"'
 MODEL_VERSION_SEL = MODEL_SEL + ', version=~"$version"'
-GPU_SEL = 'Hostname=~"$host", gpu=~"$gpu"'
+HOST_SEL = 'Hostname=~"$host"'
+GPU_SEL = HOST_SEL + ', gpu=~"$gpu"'
+# The recording rules aggregate across namespaces, as the alerts judge: their series have no
+# namespace label to select on.
+REC_MODEL_SEL = 'model=~"$model"'
+REC_MODEL_VERSION_SEL = REC_MODEL_SEL + ', version=~"$version"'
+ACROSS_NAMESPACES = "all namespaces together, as the alert sees them"
 
 
 def sel(metric: c.Metric | str, selector: str, suffix: str = "") -> str:
@@ -421,25 +427,6 @@ TIMEOUT_CODES = ("504", "DEADLINE_EXCEEDED")
 HEALTHY_ERROR_RATIO = 0.001  # the source material's healthy band: under 0.1% errors
 HEALTHY_TIMEOUT_RATIO = 0.01  # and under 1% timeouts
 GPU_UTIL_BAND = (40.0, 70.0)  # GPU utilization is best between 40% and 70%
-
-
-def fb_used_ratio(selector: str) -> str:
-    """Framebuffer used / (used + free + reserved) per GPU, as the GPU memory alert's recording
-    rule computes it, from dcgm-exporter's names only. dcgm-exporter before 3.3 has no
-    reserved field: it then counts as 0 instead of blanking the panel."""
-    used = sel(c.DCGM_FB_USED, selector)
-    free = sel(c.DCGM_FB_FREE, selector)
-    reserved = sel(c.DCGM_FB_RESERVED, selector)
-    return f"{used} / ({used} + {free} + ({reserved} or 0 * {used}))"
-
-
-def sla_seconds(selector: str, by: str, default_s: float, window: str = RATE) -> str:
-    """The SLA the sidecar exports per model, and the spec's default for a model with traffic
-    but no exported SLA (DESIGN: the spec's default is the fallback). Only where the model
-    has traffic or an exported SLA, so no line is drawn for a time nothing ran."""
-    exported = f"max by ({by}) ({sel(c.MODEL_LATENCY_SLA, selector)})"
-    traffic = f"sum by ({by}) ({rate(c.REQUESTS_TOTAL, selector, window)})"
-    return f"({exported} or on ({by}) (0 * {traffic} + {default_s:g}))"
 
 
 # Requests that name no version carry version="" at the sidecar; the server picks its default

@@ -13,6 +13,8 @@ from typing import Any
 import pytest
 import yaml
 
+from alert_rules import generate
+from alert_rules.config import RulesConfig
 from dashboards import build, live, panels, urls
 from inferwatch import contract as c
 from inferwatch.spec import load_spec, parse_spec
@@ -270,24 +272,22 @@ def test_thresholds_and_windows_come_from_the_spec() -> None:
     built = build.build(spec)
     fleet, model, gpu = built[urls.FLEET_OVERVIEW], built[urls.MODEL_DETAIL], built[urls.GPU]
 
-    errors = _panel(fleet, "Server-error ratio by model")
+    errors = _panel(fleet, "Server-error ratio by model and version")
     assert _steps(errors) == [panels.HEALTHY_ERROR_RATIO, 0.02]
-    assert "[2m]" in errors["targets"][0]["expr"]
+    assert "over 2m windows" in errors["description"]
     assert _steps(_panel(model, "Server-error ratio by version")) == [panels.HEALTHY_ERROR_RATIO, 0.02]
     assert _steps(_panel(fleet, "Timeout ratio by model")) == [panels.HEALTHY_TIMEOUT_RATIO]
     assert 'code=~"504|DEADLINE_EXCEEDED"' in _panel(fleet, "Timeout ratio by model")["targets"][0]["expr"]
 
-    ratio = _panel(fleet, "P95 latency / SLA by model")
+    ratio = _panel(fleet, "P95 latency / SLA by model and version")
     assert _steps(ratio) == [1.0, 3.0]
-    assert (
-        "histogram_quantile(0.95," in ratio["targets"][0]["expr"] and "[10m]" in ratio["targets"][0]["expr"]
-    )
-    assert "+ 0.75)" in ratio["targets"][0]["expr"]  # the spec's default SLA as fallback
+    assert 'quantile="0.95"' in ratio["targets"][0]["expr"]
+    assert "over 10m" in ratio["description"] and "default 0.75s" in ratio["description"]
     per_model = _panel(fleet, "Latency: $model")
     assert per_model["repeat"] == "model"
     legends = [t["legendFormat"] for t in per_model["targets"]]
-    assert legends == ["P50", "P95", "SLA", "3x SLA"]
-    assert per_model["targets"][3]["expr"].startswith("3 * ")
+    assert legends == ["P50 version {{version}}", "P95 version {{version}}", "SLA", "3x SLA"]
+    assert per_model["targets"][3]["expr"].startswith("(3 * ")
 
     assert _steps(_panel(gpu, "Framebuffer used / total")) == [0.8]
     assert _steps(_panel(fleet, "GPU framebuffer used by GPU")) == [0.8]
@@ -315,9 +315,9 @@ DRILL_DOWNS = {
         (urls.FLEET_OVERVIEW, title): urls.MODEL_DETAIL
         for title in (
             "Request rate by model",
-            "Server-error ratio by model",
+            "Server-error ratio by model and version",
             "Timeout ratio by model",
-            "P99 latency / SLA by model",
+            "P99 latency / SLA by model and version",
             "Requests in flight by model",
         )
     },
@@ -471,3 +471,92 @@ def test_cli_snapshot_refuses_bad_input(tmp_path: Path, capsys: pytest.CaptureFi
         err = capsys.readouterr().err
         assert code != 0, args
         assert err.startswith("inferwatch: error: ") and msg in err and err.count("\n") == 1, err
+
+
+# Panels that draw an alert's threshold -> the alert. Each must query the alert's own expression.
+THRESHOLD_PANELS = {
+    (urls.FLEET_OVERVIEW, "Server-error ratio by model and version"): c.ALERT_HIGH_ERROR_RATE,
+    (urls.MODEL_DETAIL, "Server-error ratio by version"): c.ALERT_HIGH_ERROR_RATE,
+    (urls.FLEET_OVERVIEW, "P99 latency / SLA by model and version"): c.ALERT_HIGH_P99_LATENCY,
+    (urls.FLEET_OVERVIEW, "Latency: $model"): c.ALERT_HIGH_P99_LATENCY,
+    (urls.MODEL_DETAIL, "P50 and P99 latency by version"): c.ALERT_HIGH_P99_LATENCY,
+    (urls.FLEET_OVERVIEW, "GPU framebuffer used by GPU"): c.ALERT_GPU_MEMORY_PRESSURE,
+    (urls.GPU, "Framebuffer used / total"): c.ALERT_GPU_MEMORY_PRESSURE,
+}
+VAR_MATCHER_RE = re.compile(r'(,\s*)?\w+=~"\$\w+"')
+UNVERSIONED_RE = re.compile(r'label_replace\((.*), "version", "default", "version", ""\)', re.S)
+
+
+def _without_dashboard_variables(expr: str) -> str:
+    """The expression as the rules would write it: no ``label=~"$var"`` matchers, no legend renaming."""
+    expr = VAR_MATCHER_RE.sub("", expr).replace("{, ", "{").replace("{}", "")
+    m = UNVERSIONED_RE.fullmatch(expr)
+    return m.group(1) if m else expr
+
+
+def _flat(expr: str) -> str:
+    return re.sub(r"\s+", "", expr)
+
+
+def test_each_threshold_panel_queries_its_alerts_expression() -> None:
+    """A panel that draws an alert's threshold shows the very series the alert compares (its
+    recording rule, or the alert's two sides), so the panel and the page cannot disagree."""
+    rules = [r for _name, group in generate.rule_groups(SPEC) for r in group["rules"]]
+    alert = {r["alert"]: r["expr"] for r in rules if "alert" in r}
+    record = {r["record"]: r["expr"] for r in rules if "record" in r and "labels" not in r}
+    cfg = RulesConfig.from_spec(SPEC)
+
+    # Every panel with an alert's threshold line (or an "Nx SLA" line) is in the table.
+    factor_line = f"{cfg.latency_factor:g}x SLA"
+    alert_values = {cfg.error_threshold, cfg.gpu_threshold, cfg.latency_factor}
+    drawn = {
+        (name, panel["title"])
+        for name, dash in BUILT.items()
+        for panel in live.panels(dash)
+        if alert_values & set(_steps(panel))
+        or any(t["legendFormat"] == factor_line for t in panel["targets"])
+    }
+    assert drawn == set(THRESHOLD_PANELS)
+
+    def exprs(name: str, title: str) -> dict[str, str]:
+        panel = _panel(BUILT[name], title)
+        return {t["legendFormat"]: _without_dashboard_variables(t["expr"]) for t in panel["targets"]}
+
+    # Errors: the panels read the recorded ratio, whose expression is the one the alert judges.
+    ratio = record[c.REC_SERVER_ERROR_RATIO]
+    assert _flat(ratio) in _flat(alert[c.ALERT_HIGH_ERROR_RATE])
+    assert alert[c.ALERT_HIGH_ERROR_RATE].count(f"> {cfg.error_threshold:g}\n") == 1
+    for key in [k for k, v in THRESHOLD_PANELS.items() if v == c.ALERT_HIGH_ERROR_RATE]:
+        assert list(exprs(*key).values()) == [c.REC_SERVER_ERROR_RATIO], key
+        assert _steps(_panel(BUILT[key[0]], key[1]))[-1] == cfg.error_threshold
+
+    # Latency: the alert is "quantile > factor x SLA"; the panels draw those two sides.
+    lhs, rhs = alert[c.ALERT_HIGH_P99_LATENCY].split(f"\n> on ({c.L_MODEL}) group_left ()\n")
+    assert rhs == f"({cfg.latency_factor:g} * {c.REC_LATENCY_SLA})"
+    q = cfg.quantile_name
+    fleet_ratio = f"P{cfg.latency_quantile * 100:g} latency / SLA by model and version"
+    assert list(exprs(urls.FLEET_OVERVIEW, fleet_ratio).values()) == [
+        f"{lhs} / on ({c.L_MODEL}) group_left () {c.REC_LATENCY_SLA}"
+    ]
+    assert _steps(_panel(BUILT[urls.FLEET_OVERVIEW], fleet_ratio))[-1] == cfg.latency_factor
+    per_model = exprs(urls.FLEET_OVERVIEW, "Latency: $model")
+    assert per_model[f"{q} version {{{{version}}}}"] == lhs
+    assert per_model[factor_line] == rhs and per_model["SLA"] == c.REC_LATENCY_SLA
+    detail = exprs(urls.MODEL_DETAIL, f"P50 and {q} latency by version")
+    assert detail[factor_line] == rhs and detail["SLA"] == c.REC_LATENCY_SLA
+
+    # GPU memory: the alert compares the recorded ratio; the panels draw it per GPU.
+    gpu_lhs, gpu_threshold = alert[c.ALERT_GPU_MEMORY_PRESSURE].split(" > ")
+    assert float(gpu_threshold) == cfg.gpu_threshold
+    assert list(exprs(urls.FLEET_OVERVIEW, "GPU framebuffer used by GPU").values()) == [gpu_lhs]
+    assert list(exprs(urls.GPU, "Framebuffer used / total").values()) == [
+        f"max by (Hostname, gpu) ({gpu_lhs})"
+    ]
+
+
+def test_the_panel_expression_check_sees_a_drifted_panel() -> None:
+    """The comparison above is textual on purpose: a panel with its own PromQL does not pass."""
+    own = panels.ratio_or_zero('rate(x{outcome="server_error"}[1m])', "rate(x[1m])", "model")
+    assert _without_dashboard_variables(own) != c.REC_SERVER_ERROR_RATIO
+    recorded = f'{c.REC_SERVER_ERROR_RATIO}{{model=~"$model", version=~"$version"}}'
+    assert _without_dashboard_variables(recorded) == c.REC_SERVER_ERROR_RATIO

@@ -14,6 +14,7 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import pytest
 import tritonclient.http as tritonhttp
@@ -209,9 +210,10 @@ def test_every_panel_query_returns_data(stack: Stack) -> None:
         assert c.ALERT_GPU_MEMORY_PRESSURE in firing
         # The panels show what happened: only the canary's errors, in the overview and by version.
         overview = {i.title: i for i in _instances(prom, urls.FLEET_OVERVIEW)}
-        ratios = _last_values(prom, overview["Server-error ratio by model"], "model")
-        # (diluted at the model level: the slow canary serves a small share of ranker's requests)
-        assert ratios["ranker"] > 0 and ratios["dense_batched"] == ratios["dense_unbatched"] == 0
+        # Per model and version, as the paging alert judges: the canary alone, not diluted by v1.
+        ratios = _last_values(prom, overview["Server-error ratio by model and version"], "model", "version")
+        assert ratios["ranker", "2"] > 0.5 and ratios["ranker", "1"] == 0
+        assert ratios["dense_batched", "default"] == ratios["dense_unbatched", "default"] == 0
         detail = {i.title: i for i in _instances(prom, urls.MODEL_DETAIL, {"model": "ranker"})}
         by_version = _last_values(prom, detail["Server-error ratio by version"], "version")
         assert by_version["2"] > 0.5 and by_version["1"] == 0
@@ -227,10 +229,14 @@ def test_every_panel_query_returns_data(stack: Stack) -> None:
 
 
 def _last_values(
-    prom: live.Prometheus, inst: live.PanelInstance, label: str, query: int = 0
-) -> dict[str, float]:
-    """The panel's query ``query`` now, by the value of ``label``."""
-    return {r["metric"].get(label, ""): float(r["value"][1]) for r in prom.query(inst.queries[query].expr)}
+    prom: live.Prometheus, inst: live.PanelInstance, *labels: str, query: int = 0
+) -> dict[Any, float]:
+    """The panel's query ``query`` now, by the value of ``labels`` (a tuple when several)."""
+    out = {}
+    for r in prom.query(inst.queries[query].expr):
+        key = tuple(r["metric"].get(label, "") for label in labels)
+        out[key if len(key) > 1 else key[0]] = float(r["value"][1])
+    return out
 
 
 def test_snapshot_renders_every_panel(stack: Stack, tmp_path: Path) -> None:

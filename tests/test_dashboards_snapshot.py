@@ -48,7 +48,7 @@ def test_units_read_like_grafana() -> None:
 
 
 def test_error_ratio_panel_draws_the_spec_threshold_and_the_healthy_band(fig) -> None:
-    p = panel(urls.FLEET_OVERVIEW, "Server-error ratio by model")
+    p = panel(urls.FLEET_OVERVIEW, "Server-error ratio by model and version")
     snapshot._draw_timeseries(fig, p, [series("ranker", [0.0, 0.02, 0.08]), series("dense", [0, 0, 0])])
     ax = fig.axes[0]
     assert ax.get_ylabel() == "server errors / requests (percent)"

@@ -5,6 +5,7 @@ refuses a spec it cannot use."""
 from __future__ import annotations
 
 import filecmp
+import re
 import subprocess
 from pathlib import Path
 
@@ -194,3 +195,39 @@ def test_cli_rules_build_refuses_a_bad_spec_in_one_line(tmp_path: Path) -> None:
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and "alerts.error_rate.threshold" in lines[0] and str(bad) in lines[0]
     assert not (tmp_path / "out").exists()
+
+
+def test_each_tiered_alert_exports_its_timing() -> None:
+    """The timing a group exports is the timing its rule has (what the demo waits for)."""
+    from alert_rules.groups import timings
+
+    data = yaml.safe_load((ROOT / "fleet.yaml").read_text())
+    data["alerts"]["error_rate"].update(window="2m", consecutive_windows=4)
+    data["alerts"]["latency"].update(window="10m", **{"for": "7m"})
+    data["alerts"]["gpu_memory"]["for"] = "3m"
+    data["prometheus"]["scrape_interval"] = "20s"
+    spec = parse_spec(data)
+    got = timings(RulesConfig.from_spec(spec))
+    assert set(got) == set(c.TIERED_ALERTS)
+    rules = {r["alert"]: r for _n, g in generate.rule_groups(spec) for r in g["rules"] if "alert" in r}
+
+    errors = got[c.ALERT_HIGH_ERROR_RATE]
+    assert (errors.condition_s, errors.window_s) == (3 * 120, 120)
+    assert ":2m]" in rules[c.ALERT_HIGH_ERROR_RATE]["expr"]
+    latency = got[c.ALERT_HIGH_P99_LATENCY]
+    assert rules[c.ALERT_HIGH_P99_LATENCY]["for"] == fmt_duration(latency.condition_s) == "7m"
+    assert latency.window_s == 600
+    gpu = got[c.ALERT_GPU_MEMORY_PRESSURE]
+    assert rules[c.ALERT_GPU_MEMORY_PRESSURE]["for"] == fmt_duration(gpu.condition_s) == "3m"
+    assert gpu.window_s == 20
+
+
+def test_rules_and_dashboards_read_the_alert_settings_only_through_rules_config() -> None:
+    """RulesConfig is the one place spec.alerts is interpreted for the rules and the panels."""
+    readers = [
+        str(path.relative_to(ROOT))
+        for folder in ("alert_rules", "dashboards")
+        for path in (ROOT / folder).rglob("*.py")
+        if "node_modules" not in path.parts and re.search(r"\bspec\.alerts\b", path.read_text())
+    ]
+    assert readers == ["alert_rules/config.py"]

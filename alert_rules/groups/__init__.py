@@ -1,10 +1,19 @@
 """One module per alert group; each exposes ``group(cfg) -> dict`` (a Prometheus rule group).
 
-``GROUPS`` is the order the generator writes them in.
+``GROUPS`` is the order the generator writes them in. The tiered alerts' groups also export
+``timing(cfg)``: how long their rule takes (``timings`` collects them by alert name).
 """
 
 from __future__ import annotations
 
+from alert_rules.config import AlertTiming, RulesConfig
 from alert_rules.groups import canary, errors, gpu, health, latency, slo
 
 GROUPS = (errors, latency, gpu, slo, health, canary)
+
+TIMED = (errors, latency, gpu)
+
+
+def timings(cfg: RulesConfig) -> dict[str, AlertTiming]:
+    """Each tiered alert's timing, by alert name."""
+    return {t.alertname: t for t in (module.timing(cfg) for module in TIMED)}

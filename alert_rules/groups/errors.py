@@ -12,14 +12,33 @@ N-1 windows never alert; N bad windows alert at the first evaluation after the N
 from __future__ import annotations
 
 from alert_rules import promql
-from alert_rules.config import RulesConfig, fmt_duration
+from alert_rules.config import AlertTiming, RulesConfig, fmt_duration
 from inferwatch import contract as c
 
 NAME = "inferwatch-errors"
 
 
+def ratio_expr(cfg: RulesConfig) -> str:
+    """One window's server-error ratio per (model, version): what the alert judges window by
+    window, recorded as ``signal()``."""
+    return promql.server_error_ratio(cfg.error_window, promql.MODEL_VERSION, cfg.error_min_rate)
+
+
+def signal(*matchers: str) -> str:
+    """The recorded per-window ratio, as a panel showing this alert's threshold reads it."""
+    return promql.recorded(c.REC_SERVER_ERROR_RATIO, *matchers)
+
+
+def timing(cfg: RulesConfig) -> AlertTiming:
+    # Tumbling windows aligned to multiples of the window: a fault that starts late in one
+    # window can tip that window's ratio, so N windows hold after N-1 whole ones and a bit.
+    return AlertTiming(
+        c.ALERT_HIGH_ERROR_RATE, (cfg.error_windows - 1) * cfg.error_window_s, cfg.error_window_s
+    )
+
+
 def alert_expr(cfg: RulesConfig) -> str:
-    ratio = promql.server_error_ratio(cfg.error_window, promql.MODEL_VERSION, cfg.error_min_rate)
+    ratio = ratio_expr(cfg)
     rng = fmt_duration(cfg.error_windows * cfg.error_window_s - 0.001)
     sub = f"(\n{promql.indent(ratio, 4)}\n  )[{rng}:{cfg.error_window}]"
     return (
@@ -39,7 +58,7 @@ def group(cfg: RulesConfig) -> dict:
             },
             {
                 "record": c.REC_SERVER_ERROR_RATIO,
-                "expr": promql.server_error_ratio(cfg.error_window, mv, cfg.error_min_rate),
+                "expr": ratio_expr(cfg),
             },
             {
                 "alert": c.ALERT_HIGH_ERROR_RATE,

@@ -8,7 +8,8 @@ Hostname, modelName, and pod labels where dcgm-exporter adds them).
 
 from __future__ import annotations
 
-from alert_rules.config import RulesConfig
+from alert_rules import promql
+from alert_rules.config import AlertTiming, RulesConfig
 from inferwatch import contract as c
 
 NAME = "inferwatch-gpu"
@@ -17,6 +18,20 @@ NAME = "inferwatch-gpu"
 def ratio_expr() -> str:
     used, free, reserved = c.DCGM_FB_USED.name, c.DCGM_FB_FREE.name, c.DCGM_FB_RESERVED.name
     return f"{used}\n/\n(({used} + {free} + ({reserved} or 0 * {used})) > 0)"
+
+
+def signal(*matchers: str) -> str:
+    """The recorded ratio per GPU: what the alert compares, and what its panels draw."""
+    return promql.recorded(c.REC_GPU_FB_USED_RATIO, *matchers)
+
+
+def timing(cfg: RulesConfig) -> AlertTiming:
+    # The ratio is instant (no range), so it follows the next scrape.
+    return AlertTiming(c.ALERT_GPU_MEMORY_PRESSURE, cfg.gpu_for_s, cfg.scrape_interval_s)
+
+
+def alert_expr(cfg: RulesConfig) -> str:
+    return f"{signal()} > {cfg.gpu_threshold:g}"
 
 
 def group(cfg: RulesConfig) -> dict:
@@ -29,7 +44,7 @@ def group(cfg: RulesConfig) -> dict:
             {"record": c.REC_GPU_FB_USED_RATIO, "expr": ratio_expr()},
             {
                 "alert": c.ALERT_GPU_MEMORY_PRESSURE,
-                "expr": f"{c.REC_GPU_FB_USED_RATIO} > {cfg.gpu_threshold:g}",
+                "expr": alert_expr(cfg),
                 "for": cfg.gpu_for,
                 "labels": {"severity": c.SEVERITY_INFO},
                 "annotations": {

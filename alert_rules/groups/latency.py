@@ -10,7 +10,7 @@ than q of the requests took <= X, i.e. when more than 1-q of them were slower th
 from __future__ import annotations
 
 from alert_rules import promql
-from alert_rules.config import RulesConfig
+from alert_rules.config import AlertTiming, RulesConfig
 from inferwatch import contract as c
 
 NAME = "inferwatch-latency"
@@ -36,12 +36,33 @@ def sla_expr(cfg: RulesConfig) -> str:
     )
 
 
+def quantile_signal(q: float, *matchers: str) -> str:
+    """The recorded quantile ``q`` per (model, version); the alert's left-hand side for its
+    quantile, and what latency panels draw."""
+    series = promql.recorded(c.REC_LATENCY_QUANTILE, f'{c.L_QUANTILE}="{q:g}"', *matchers)
+    return f"max without ({c.L_QUANTILE}) ({series})"
+
+
+def sla_signal(*matchers: str) -> str:
+    """The recorded SLA per model (exported, else the spec's default)."""
+    return promql.recorded(c.REC_LATENCY_SLA, *matchers)
+
+
+def limit_expr(cfg: RulesConfig, *matchers: str) -> str:
+    """The alert's right-hand side: sla_factor x the SLA."""
+    return f"({cfg.latency_factor:g} * {sla_signal(*matchers)})"
+
+
+# How the quantile (per model and version) meets the SLA (per model).
+SLA_MATCH = f"on ({c.L_MODEL}) group_left ()"
+
+
+def timing(cfg: RulesConfig) -> AlertTiming:
+    return AlertTiming(c.ALERT_HIGH_P99_LATENCY, cfg.latency_for_s, cfg.latency_window_s)
+
+
 def alert_expr(cfg: RulesConfig) -> str:
-    return (
-        f'max without ({c.L_QUANTILE}) ({c.REC_LATENCY_QUANTILE}{{{c.L_QUANTILE}="{cfg.quantile_label}"}})\n'
-        f"> on ({c.L_MODEL}) group_left ()\n"
-        f"({cfg.latency_factor:g} * {c.REC_LATENCY_SLA})"
-    )
+    return f"{quantile_signal(cfg.latency_quantile)}\n> {SLA_MATCH}\n{limit_expr(cfg)}"
 
 
 def group(cfg: RulesConfig) -> dict:
