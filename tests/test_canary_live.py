@@ -277,3 +277,27 @@ def test_the_cli_answers_errors_with_exit_3_in_one_line(live: Live) -> None:
     assert table.returncode in (0, 1, 2), table.stderr
     for word in ("errors", "latency", "verdict:"):
         assert word in table.stdout
+
+
+def test_token_latency_checks_run_when_the_contract_has_them(live: Live, monkeypatch) -> None:
+    """TTFT/TPOT are judged like request latency once the contract defines the histograms,
+    and left out (no row, no effect on the verdict) when the model has no series for them.
+    Stand-ins: TTFT points at the request-duration histogram, which ranker has; TPOT at a
+    name nothing exports."""
+    from inferwatch import contract as c
+
+    labels = (c.L_MODEL, c.L_VERSION, c.L_PROTOCOL)
+    monkeypatch.setattr(
+        c, "TIME_TO_FIRST_TOKEN", c.Metric(c.REQUEST_DURATION.name, "histogram", "t", labels), raising=False
+    )
+    absent = c.REQUEST_DURATION.name + "_nothing"
+    monkeypatch.setattr(c, "TIME_PER_OUTPUT_TOKEN", c.Metric(absent, "histogram", "t", labels), raising=False)
+    report = judge(live.prometheus, MODEL, BASELINE, CANARY, live.spec, at=_wait_one_window(live.spec))
+    checks = {ch.name: ch for ch in report.checks}
+    assert set(checks) == {"errors", "latency", "ttft"}
+    assert checks["ttft"].verdict in (PASS, FAIL) and checks["ttft"].p_value is not None
+    assert "of baseline" in checks["ttft"].limit
+    monkeypatch.delattr(c, "TIME_TO_FIRST_TOKEN")
+    monkeypatch.delattr(c, "TIME_PER_OUTPUT_TOKEN")
+    plain = judge(live.prometheus, MODEL, BASELINE, CANARY, live.spec, at=time.time())
+    assert [ch.name for ch in plain.checks] == ["errors", "latency"]
