@@ -526,3 +526,68 @@ def test_kube_prometheus_stack_values_match_what_the_manifests_carry(
         if sidecar["label"] in cm["metadata"].get("labels", {}):
             assert cm["metadata"]["labels"][sidecar["label"]] == sidecar["labelValue"]
             assert sidecar["folderAnnotation"] in cm["metadata"]["annotations"]
+
+
+# ---------------------------------------------------------------------------------------
+# NetworkPolicies
+# ---------------------------------------------------------------------------------------
+def _selected(policy: dict, labels: dict) -> bool:
+    return labels.items() >= policy["spec"]["podSelector"].get("matchLabels", {}).items()
+
+
+def test_every_pod_has_a_network_policy_and_the_pager_admits_only_alertmanager_and_listed_readers(
+    overlay_builds: dict[str, list[dict]],
+) -> None:
+    for name, docs in overlay_builds.items():
+        policies = of_kind(docs, "NetworkPolicy")
+        for workload in [*of_kind(docs, "DaemonSet"), *of_kind(docs, "Deployment")]:
+            labels = workload["spec"]["template"]["metadata"]["labels"]
+            ns = workload["metadata"]["namespace"]
+            mine = [p for p in policies if p["metadata"]["namespace"] == ns and _selected(p, labels)]
+            assert len(mine) == 1, f"{name}: {workload['metadata']['name']} has {len(mine)} policies"
+            assert "Ingress" in mine[0]["spec"]["policyTypes"]
+
+        pager = one(docs, "NetworkPolicy", "inferwatch-pager")
+        assert pager["spec"]["policyTypes"] == ["Ingress", "Egress"] and pager["spec"]["egress"] == []
+        alertmanager, readers = pager["spec"]["ingress"]
+        (peer,) = alertmanager["from"]
+        assert set(peer) == {"podSelector"}  # Alertmanager's pods, in the pager's own namespace
+        assert peer["podSelector"]["matchLabels"]["app.kubernetes.io/name"] == "alertmanager"
+        (peer,) = readers["from"]
+        assert set(peer) == {"namespaceSelector"}
+        (expr,) = peer["namespaceSelector"]["matchExpressions"]
+        assert expr["key"] == "kubernetes.io/metadata.name" and expr["operator"] == "In" and expr["values"]
+        for rule in pager["spec"]["ingress"]:
+            assert [p["port"] for p in rule["ports"]] == ["http"]
+        (svc_port,) = one(docs, "Service", "inferwatch-pager")["spec"]["ports"]
+        assert svc_port["port"] == contract.PORTS["pager"] and svc_port["targetPort"] == "http"
+
+        exporter = one(docs, "NetworkPolicy", "inferwatch-gpu-exporter")
+        assert exporter["spec"]["egress"] == []
+        (rule,) = exporter["spec"]["ingress"]
+        assert rule["from"][0]["podSelector"]["matchLabels"]["app.kubernetes.io/name"] == "prometheus"
+        assert [p["port"] for p in rule["ports"]] == ["metrics"]
+
+        triton = one(docs, "NetworkPolicy", "triton")
+        allowed = {p["port"] for r in triton["spec"]["ingress"] for p in r["ports"]}
+        assert allowed == {
+            contract.PORTS["sidecar_http"],
+            contract.PORTS["sidecar_grpc"],
+            contract.PORTS["sidecar_metrics"],
+            contract.PORTS["triton_metrics"],
+        }
+        # Triton's own inference ports are not reachable past the sidecar.
+        assert contract.PORTS["triton_http"] not in allowed and contract.PORTS["triton_grpc"] not in allowed
+
+
+def test_the_base_pager_policy_admits_alertmanager_alone() -> None:
+    """Readers exist only where an overlay lists them."""
+    (policy,) = [
+        d
+        for d in kustomize_build(K8S / "base")
+        if d["kind"] == "NetworkPolicy" and "pager" in d["metadata"]["name"]
+    ]
+    (rule,) = policy["spec"]["ingress"]
+    assert (
+        rule["from"][0]["podSelector"]["matchLabels"]["alertmanager"] == "kube-prometheus-stack-alertmanager"
+    )
