@@ -79,12 +79,19 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def _load(spec_path: str):
+    from alert_rules.config import MissingSetting, RulesConfig
     from inferwatch.spec import SpecError, load_spec
 
     try:
-        return load_spec(spec_path)
+        spec = load_spec(spec_path)
+        # The panels read the alert settings through the rules' config: refuse what it refuses,
+        # before anything is written.
+        RulesConfig.from_spec(spec)
     except SpecError as exc:
         raise CliError(str(exc), code=2) from None
+    except MissingSetting as exc:
+        raise CliError(f"{spec_path}: {exc}", code=2) from None
+    return spec
 
 
 def _build(args: argparse.Namespace) -> int:

@@ -455,6 +455,12 @@ def test_cli_build_writes_and_checks(tmp_path: Path, capsys: pytest.CaptureFixtu
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "alerts.error_rate.threshold" in err
     assert (out / "gpu.json").read_text() == "{}", "a bad spec must not touch the output"
+    # A spec the alert rules' config refuses (the panels read the alert settings through it).
+    bad.write_text('links:\n  runbook_base_url: ""\n')
+    assert main(["dashboards", "build", "--spec", str(bad), "--out", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "links.runbook_base_url is required" in err
+    assert (out / "gpu.json").read_text() == "{}"
 
 
 def test_cli_snapshot_refuses_bad_input(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
