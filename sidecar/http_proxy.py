@@ -66,7 +66,13 @@ HOP_BY_HOP = frozenset(
 VIA = b"via: 1.1 inferwatch\r\n"
 CONTINUE = b"HTTP/1.1 100 Continue\r\n\r\n"
 HIGH_WATER = 256 * 1024  # bytes buffered towards a connecting upstream before the client pauses
-REPLAY_LIMIT = 64 * 1024  # a request up to this size is retried once on a stale pooled connection
+REPLAY_LIMIT = 64 * 1024  # a request up to this size may be retried once on a stale pooled connection
+# Methods that change nothing on the server (RFC 9110 9.2.1): replayed after a pooled connection
+# closed without an answer even when the request may have reached the server (as Go's client
+# does); any other request only when none of its bytes went out.
+SAFE_METHODS = frozenset({b"GET", b"HEAD", b"OPTIONS"})
+# During a drain, a connection idle this long (no request started) is closed.
+DRAIN_IDLE_GRACE = 1.0
 SWEEP_INTERVAL = 0.25
 
 # Built once at import: status lines and status strings for every code.
@@ -174,20 +180,23 @@ class Exchange:
         "resp_eof",
         "resp_started",
         "retried",
+        "safe",
         "status",
         "tel",
         "upstream",
         "version10",
     )
 
-    def __init__(self, client: ClientConn, tel: Request, head: bytes, chunked: bool, head_only: bool) -> None:
+    def __init__(self, client: ClientConn, tel: Request, head: bytes, chunked: bool, method: bytes) -> None:
         self.client = client
         self.tel = tel
         self.pending: list[bytes] = [head]
         self.pending_size = len(head)
+        # What was written to a reused upstream connection while a replay is still allowed.
         self.replay: list[bytes] | None = []
         self.chunked_req = chunked
-        self.head_only = head_only
+        self.head_only = method == b"HEAD"
+        self.safe = method in SAFE_METHODS
         self.version10 = False
         self.upstream: UpstreamConn | None = None
         self.out: list[bytes] = []
@@ -225,6 +234,9 @@ class Exchange:
         if self.done:  # the client went away meanwhile
             proxy.pool_put(conn)
             return
+        if conn.closed:  # accepted, then closed before a byte was sent (a server still starting)
+            self.fail(503)
+            return
         self.attach(conn)
         self.flush()
         self.client.update_reading()
@@ -243,16 +255,24 @@ class Exchange:
         data = self.pending[0] if len(self.pending) == 1 else b"".join(self.pending)
         self.pending.clear()
         self.pending_size = 0
-        up.transport.write(data)
+        transport = up.transport
+        transport.write(data)
         replay = self.replay
         if replay is not None:
-            if not up.reused or sum(map(len, replay)) + len(data) > REPLAY_LIMIT:
+            # A request that is not safe may be replayed only while none of it went out: the
+            # transport closes at once when its write fails (or was already closing).
+            if (
+                not up.reused
+                or not (self.safe or transport.is_closing())
+                or sum(map(len, replay)) + len(data) > REPLAY_LIMIT
+            ):
                 self.replay = None
             else:
                 replay.append(data)
 
     def retry(self) -> None:
-        """A pooled connection died before answering: resend the request once on a new one."""
+        """A pooled connection died before answering, and the request provably did not reach
+        the server (or is safe to repeat): resend it once on a new connection."""
         assert self.replay is not None
         self.retried = True
         self.pending[:0] = self.replay
@@ -507,13 +527,18 @@ class ClientConn(asyncio.Protocol):
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = transport  # type: ignore[assignment]
         proxy = self.proxy
-        if len(proxy.conns) >= proxy.config.max_connections or proxy.draining:
+        if len(proxy.conns) >= proxy.config.max_connections:
             transport.write(OVERLOAD_RESPONSE)  # type: ignore[attr-defined]
             transport.close()
             self.closed = True
             return
+        # Accepted while draining (the listener may have closed since): served like any other,
+        # its answer closes it.
+        self.keep_alive = not proxy.draining
         proxy.conns.add(self)
         self.deadline = proxy.loop.time() + proxy.config.header_timeout
+        if proxy.idle_until and self.deadline > proxy.idle_until:
+            self.deadline = proxy.idle_until
         self.dl_kind = _IDLE
 
     def connection_lost(self, exc: Exception | None) -> None:
@@ -682,7 +707,7 @@ class ClientConn(asyncio.Protocol):
             lines.append(b"host: %s\r\n" % proxy.host_header)
         lines.append(VIA)
         lines.append(b"\r\n")
-        ex = Exchange(self, tel, b"".join(lines), chunked, method == b"HEAD")
+        ex = Exchange(self, tel, b"".join(lines), chunked, method)
         ex.version10 = parser.get_http_version() == "1.0"
         ex.close_after = not parser.should_keep_alive()
         self.parsing = ex
@@ -836,7 +861,9 @@ class HttpProxy:
         self.conns: set[ClientConn] = set()
         self.in_flight = 0
         self.requests = 0  # requests read (each answered or counted as abandoned)
-        self.draining = False
+        self.draining = False  # answers close their connections (SIGTERM arrived)
+        self.stopped = False  # the drain is over: nothing goes back to the pool
+        self.idle_until = 0.0  # once the listener closed: when idle connections close
         self.server: asyncio.AbstractServer | None = None
         self._routes: dict[bytes, tuple[str, str, str]] = {}
         self._sweeper: asyncio.Task | None = None
@@ -878,7 +905,7 @@ class HttpProxy:
         return None
 
     def pool_put(self, conn: UpstreamConn) -> None:
-        if conn.closed or self.draining or len(self.pool) >= self.config.upstream_pool_size:
+        if conn.closed or self.stopped or len(self.pool) >= self.config.upstream_pool_size:
             conn.transport.close()
             return
         conn.transport.resume_reading()
@@ -918,22 +945,32 @@ class HttpProxy:
                 except Exception:  # one connection's trouble must not stop the sweeper
                     log.exception("sweep failed")
 
-    async def stop(self, grace: float) -> None:
-        """Stop accepting, close idle connections, let in-flight requests finish (at most ``grace`` s)."""
+    def begin_drain(self) -> None:
+        """From now on every answer closes its connection (a kept-alive client's next request
+        is served, then its connection closes); the listener still accepts, and a connection
+        accepted now is served the same way. Only the real limits get the overload answer."""
         self.draining = True
+        for conn in self.conns:
+            conn.keep_alive = False
+
+    async def stop(self, grace: float) -> None:
+        """Stop accepting, let in-flight requests finish (at most ``grace`` s): connections with
+        a request under way are answered and closed; idle ones close after
+        ``DRAIN_IDLE_GRACE`` (a request already on its way is still served)."""
+        if not self.draining:
+            self.begin_drain()
         if self.server is not None:
             self.server.close()
-        for conn in list(self.conns):
-            conn.keep_alive = False
-            if not conn.exchanges and not conn.closed and conn.dl_kind == _IDLE:
-                conn.closed = True
-                self.conns.discard(conn)
-                conn.transport.close()
         deadline = self.loop.time() + grace
+        self.idle_until = idle_until = self.loop.time() + DRAIN_IDLE_GRACE
+        for conn in self.conns:
+            if conn.dl_kind == _IDLE and conn.deadline > idle_until:
+                conn.deadline = idle_until
         while self.conns and self.loop.time() < deadline:
             await asyncio.sleep(0.05)
         for conn in list(self.conns):
             conn.transport.abort()
+        self.stopped = True
         if self._sweeper is not None:
             self._sweeper.cancel()
         for up in self.pool:

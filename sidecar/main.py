@@ -44,6 +44,8 @@ MISS_REFRESH_MIN_INTERVAL = 5.0
 # While the upstream is down, probe it this often; while up, this often between index reads.
 DOWN_PROBE_INTERVAL = 1.0
 UP_PROBE_INTERVAL = 5.0
+# Until the upstream is ready and its index read (/readyz 503), ask it this often.
+NOT_READY_PROBE_INTERVAL = 0.25
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -121,16 +123,40 @@ def build_tracer(config: cfg.SidecarConfig) -> tuple[Any, Any]:
     return provider.get_tracer("inferwatch.sidecar"), provider
 
 
+class Readiness:
+    """What ``/readyz`` answers: ready once the proxies listen, the upstream said it is ready
+    and its model index has been read (so the first requests are labelled by model), and
+    no longer from the moment SIGTERM arrives. Written by the event loop, read by the
+    metrics thread (plain attribute reads)."""
+
+    def __init__(self) -> None:
+        self.listening = False
+        self.upstream_ready = False
+        self.index_read = False
+        self.draining = False
+        self.upstream = "not checked yet"  # the upstream's last readiness answer, for people
+        self.proxies: list[str] = []
+
+    @property
+    def ready(self) -> bool:
+        return self.listening and self.upstream_ready and self.index_read and not self.draining
+
+    def report(self) -> dict[str, Any]:
+        return {
+            "ready": self.ready,
+            "proxies": self.proxies,
+            "upstream": self.upstream,
+            "model_index_read": self.index_read,
+            "draining": self.draining,
+        }
+
+
 class MetricsServer:
     """/metrics, /healthz and /readyz on their own port and thread, so a scrape never waits
     on proxy traffic and a stuck proxy still answers health checks."""
 
-    def __init__(self, host: str, port: int, registry: Any) -> None:
+    def __init__(self, host: str, port: int, registry: Any, readiness: Readiness) -> None:
         from prometheus_client.exposition import choose_encoder
-
-        self.ready = False
-        self.status: dict[str, Any] = {}
-        server_self = self
 
         class Handler(BaseHTTPRequestHandler):
             protocol_version = "HTTP/1.1"
@@ -143,8 +169,9 @@ class MetricsServer:
                 elif path == "/healthz":
                     self._send(200, b"ok\n", "text/plain")
                 elif path == "/readyz":
-                    body = json.dumps({"ready": server_self.ready, **server_self.status}).encode() + b"\n"
-                    self._send(200 if server_self.ready else 503, body, "application/json")
+                    report = readiness.report()
+                    body = json.dumps(report).encode() + b"\n"
+                    self._send(200 if report["ready"] else 503, body, "application/json")
                 else:
                     self._send(404, b"not found: try /metrics, /healthz or /readyz\n", "text/plain")
 
@@ -170,19 +197,20 @@ class MetricsServer:
         self.httpd.server_close()
 
 
-async def fetch_repository_index(host: str, port: int, timeout: float) -> tuple[int, Any]:
-    """(status, parsed JSON or None) of ``POST /v2/repository/index`` for ready models; raises
-    OSError when unreachable."""
-    body = b'{"ready": true}'  # the models it serves now, not every one in its repository
-    head = (
-        f"POST /v2/repository/index HTTP/1.1\r\nHost: {host}:{port}\r\nContent-Type: application/json\r\n"
-        f"Content-Length: {len(body)}\r\nConnection: close\r\n\r\n"
-    ).encode()
+async def upstream_exchange(
+    host: str, port: int, method: str, path: str, body: bytes, timeout: float
+) -> tuple[int, bytes]:
+    """(status, body) of one request on its own connection (``Connection: close``), status 0
+    for an answer that is not HTTP; raises OSError when unreachable, TimeoutError."""
+    head = f"{method} {path} HTTP/1.1\r\nHost: {host}:{port}\r\nConnection: close\r\n"
+    if body:
+        head += f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n"
+    request = (head + "\r\n").encode() + body
 
-    async def go() -> tuple[int, Any]:
+    async def go() -> tuple[int, bytes]:
         reader, writer = await asyncio.open_connection(host, port)
         try:
-            writer.write(head + body)
+            writer.write(request)
             raw = await reader.read(16 * 1024 * 1024)
             while True:  # read to EOF (Connection: close), bounded
                 more = await reader.read(1 << 20)
@@ -194,17 +222,26 @@ async def fetch_repository_index(host: str, port: int, timeout: float) -> tuple[
         status_line, _, rest = raw.partition(b"\r\n")
         parts = status_line.split()
         if len(parts) < 2 or not parts[1].isdigit():
-            return 0, None
-        status = int(parts[1])
+            return 0, b""
         headers, _, payload = rest.partition(b"\r\n\r\n")
         if b"transfer-encoding: chunked" in headers.lower():
             payload = _dechunk(payload)
-        try:
-            return status, json.loads(payload)
-        except ValueError:
-            return status, None
+        return int(parts[1]), payload
 
     return await asyncio.wait_for(go(), timeout)
+
+
+async def fetch_repository_index(host: str, port: int, timeout: float) -> tuple[int, Any]:
+    """(status, parsed JSON or None) of ``POST /v2/repository/index`` for ready models; raises
+    OSError when unreachable."""
+    # {"ready": true}: the models it serves now, not every one in its repository
+    status, payload = await upstream_exchange(
+        host, port, "POST", "/v2/repository/index", b'{"ready": true}', timeout
+    )
+    try:
+        return status, json.loads(payload)
+    except ValueError:
+        return status, None
 
 
 def _dechunk(data: bytes) -> bytes:
@@ -254,14 +291,30 @@ async def _probe(config: cfg.SidecarConfig) -> tuple[bool, str]:
     return True, ""
 
 
+async def _upstream_ready(config: cfg.SidecarConfig) -> tuple[bool, str]:
+    """Whether the upstream says it is ready (KServe ``GET /v2/health/ready``); a server
+    without that endpoint (404, 405, 501) counts as ready once it answers at all."""
+    host, port = config.upstream_http
+    try:
+        # A server still starting may accept and not answer: give up soon and ask again.
+        timeout = config.connect_timeout
+        status, _ = await upstream_exchange(host, port, "GET", "/v2/health/ready", b"", timeout)
+    except (OSError, TimeoutError) as exc:
+        return False, f"unreachable: {exc or type(exc).__name__}"
+    if status == 200 or status in (404, 405, 501):
+        return True, "ready"
+    return False, f"not ready: HTTP {status}"
+
+
 async def refresh_models(
-    config: cfg.SidecarConfig, telemetry: Any, wake: asyncio.Event, first: asyncio.Event
+    config: cfg.SidecarConfig, telemetry: Any, wake: asyncio.Event, readiness: Readiness
 ) -> None:
     """Keep telemetry's served-model set equal to the upstream's repository index and
-    ``upstream_up`` current even without traffic; ``first`` is set after the first attempt,
-    so the sidecar turns ready knowing the models.
+    ``upstream_up`` current even without traffic, and mark ``readiness`` once the upstream
+    is ready and its index has been read.
 
-    The index is read every ``--model-refresh-interval``, when the upstream comes back, and at
+    Until then the upstream's readiness is asked every ``NOT_READY_PROBE_INTERVAL``. After,
+    the index is read every ``--model-refresh-interval``, when the upstream comes back, and at
     most ``MISS_REFRESH_MIN_INTERVAL`` after a request named an unknown model (``wake``);
     between reads a TCP connect every ``UP_PROBE_INTERVAL`` (``DOWN_PROBE_INTERVAL`` while
     down) keeps the gauge honest when no request is flowing.
@@ -274,7 +327,19 @@ async def refresh_models(
     last_index = -1e9
     while True:
         now = loop.time()
-        if up is not True or wake.is_set() or now - last_index >= config.model_refresh_interval:
+        if not (readiness.upstream_ready and readiness.index_read):
+            ready, said = await _upstream_ready(config)
+            readiness.upstream = said
+            readiness.upstream_ready = ready
+            if ready:
+                now_up, err = await _read_index(config, telemetry)
+                last_index = now
+                readiness.index_read = telemetry.catalog.index_read
+                if readiness.index_read:
+                    log.info("upstream ready, model index read", extra={"fields": {"upstream": where}})
+            else:
+                now_up, err = not said.startswith("unreachable"), said
+        elif up is not True or wake.is_set() or now - last_index >= config.model_refresh_interval:
             wake.clear()
             now_up, err = await _read_index(config, telemetry)
             last_index = now
@@ -287,7 +352,9 @@ async def refresh_models(
             else:
                 log.warning("upstream unreachable", extra={"fields": {"upstream": where, "error": err}})
             up = now_up
-        first.set()
+        if not (readiness.upstream_ready and readiness.index_read):
+            await asyncio.sleep(NOT_READY_PROBE_INTERVAL)
+            continue
         if not now_up:
             await asyncio.sleep(DOWN_PROBE_INTERVAL)
             continue
@@ -315,20 +382,16 @@ async def run(config: cfg.SidecarConfig) -> int:
     wake = asyncio.Event()
     telemetry.on_unknown_model = wake.set
 
+    readiness = Readiness()
     try:
-        metrics = MetricsServer(config.host, config.metrics_port, registry)
+        metrics = MetricsServer(config.host, config.metrics_port, registry, readiness)
     except OSError as exc:
         raise CliError(
             f"cannot listen on {config.host}:{config.metrics_port} (--metrics-port): {exc.strerror}"
         ) from None
     metrics.start()
     servers: list[tuple[str, Any]] = []
-    first = asyncio.Event()
-    refresher = asyncio.create_task(refresh_models(config, telemetry, wake, first))
-    try:
-        await asyncio.wait_for(first.wait(), config.connect_timeout + 6.0)
-    except TimeoutError:
-        pass
+    refresher = asyncio.create_task(refresh_models(config, telemetry, wake, readiness))
     try:
         servers.append(("http", await http_proxy.serve(config, telemetry)))
         if config.grpc_proxy_enabled and importlib.util.find_spec("sidecar.grpc_proxy") is not None:
@@ -344,12 +407,12 @@ async def run(config: cfg.SidecarConfig) -> int:
     stop = asyncio.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
-    metrics.status = {"proxies": [name for name, _ in servers]}
+    readiness.proxies = [name for name, _ in servers]
     # Everything built so far lives as long as the process: keep the collector from walking it
     # (a full collection of these ~40k objects costs ~12 ms, a tail-latency spike mid-request).
     gc.collect()
     gc.freeze()
-    metrics.ready = True
+    readiness.listening = True
     log.info(
         "sidecar started",
         extra={
@@ -365,11 +428,30 @@ async def run(config: cfg.SidecarConfig) -> int:
     )
     await stop.wait()
 
-    metrics.ready = False
+    readiness.draining = True
     log.info(
         "draining",
-        extra={"fields": {"in_flight": telemetry.in_flight_total, "grace_s": config.drain_timeout}},
+        extra={
+            "fields": {
+                "in_flight": telemetry.in_flight_total,
+                "delay_s": config.drain_delay,
+                "grace_s": config.drain_timeout,
+            }
+        },
     )
+    for _, server in servers:
+        # Answers from now on close their connections; the listeners still accept.
+        begin = getattr(server, "begin_drain", None)
+        if begin is not None:
+            begin()
+    if config.drain_delay:
+        # Accept for a while with /readyz at 503, so load balancers take the endpoint out
+        # before the listeners close; a second signal cuts the wait short.
+        stop.clear()
+        try:
+            await asyncio.wait_for(stop.wait(), config.drain_delay)
+        except TimeoutError:
+            pass
     started = time.monotonic()
     await asyncio.gather(*(server.stop(config.drain_timeout) for _, server in servers))
     refresher.cancel()

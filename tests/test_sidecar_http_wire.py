@@ -101,7 +101,8 @@ def test_forwarded_bytes_and_hop_by_hop_headers() -> None:
         rest = rest[size + 2 :]
     assert b"".join(chunks) == b"hello, \x00\xffbin"
 
-    labels = {"model": contract.MODEL_OVERFLOW, "protocol": "http"}
+    # No index here, but the upstream's 200 proves the model exists: counted under its name.
+    labels = {"model": "m1", "protocol": "http"}
     assert registry.get_sample_value(contract.REQUEST_BYTES.name, labels) == 6
     assert registry.get_sample_value(contract.RESPONSE_BYTES.name, labels) == len(b"hello, \x00\xffbin")
 
