@@ -23,8 +23,8 @@ metrics need:
   ``sidecar.grpc_wire``); the rest is forwarded without a look. For ``ModelStreamInfer`` every
   message on both sides is observed (``sidecar.grpc_streams``).
 - **RST_STREAM**: a client's cancel goes upstream as it is, so the upstream stops working. An
-  upstream's REFUSED_STREAM (never processed; gRPC clients retry it) keeps the call's
-  observation for a moment, and the retry closes it, so the call is counted once.
+  upstream's REFUSED_STREAM (never processed; a client's retry policy retries it) keeps the
+  call's observation for a moment, and the retry continues it, so the call is counted once.
 
 Flow control, PING, PRIORITY and GOAWAY pass through untouched, so the two ends negotiate
 with each other. The relay synthesises frames only where it must answer itself, always with
@@ -110,8 +110,9 @@ PROBE_UP_S, PROBE_DOWN_S = 5.0, 0.5
 # for its message) before the relay stops reading the client.
 MAX_HELD_BYTES = 4 * 1024 * 1024
 # Seconds the observation of a call refused by the upstream (REFUSED_STREAM) waits for the
-# client's retry (gRPC retries such a call at once); then it is counted UNAVAILABLE.
-RETRY_WAIT_S = 1.0
+# client's retry (a retry policy's first backoff is typically well under it); then it is
+# counted UNAVAILABLE.
+RETRY_WAIT_S = 2.0
 
 OK, CANCELLED, UNKNOWN, INTERNAL = "OK", "CANCELLED", "UNKNOWN", "INTERNAL"
 UNAVAILABLE, DEADLINE_EXCEEDED, RESOURCE_EXHAUSTED = "UNAVAILABLE", "DEADLINE_EXCEEDED", "RESOURCE_EXHAUSTED"
@@ -911,7 +912,9 @@ class _Conn:
                         err = int.from_bytes(buf[pos + 9 : pos + 13], "big") if length >= 4 else 0
                         self._release(st)
                         if err == REFUSED_STREAM and st.kind != _STREAM:
-                            self.relay.refused_call(st.path, st.obs, self._refused_code(st))
+                            self.relay.refused_call(
+                                st.path, st.obs, lambda st=st: self._finish(st, UNAVAILABLE)
+                            )
                         else:
                             self._finish(st, _RESET_CODES.get(err, INTERNAL))
             if replace is not None:
@@ -926,14 +929,6 @@ class _Conn:
         del buf[:pos]
         if out:
             self._write_client(b"".join(out))
-
-    def _refused_code(self, st: _Stream) -> Any:
-        """What a refused call counts if the client does not retry it: a callable closing it."""
-
-        def close() -> None:
-            self._finish(st, UNAVAILABLE)
-
-        return close
 
     def _upstream_goaway(self, payload: bytes) -> bytes:
         """The upstream is shutting down. Calls past its last stream will not be processed: they
@@ -1077,7 +1072,7 @@ class GrpcRelay:
 
     # ---------------------------------------------------------------- refused calls and their retries
     def refused_call(self, path: str, obs: Any, close: Any) -> None:
-        """The upstream refused a call unprocessed; a gRPC client retries such a call at once.
+        """The upstream refused a call unprocessed; a client's retry policy sends it again.
         Its observation waits ``RETRY_WAIT_S`` for the retry (which then continues it, so the
         call is counted once, with the latency the client saw); without one it is counted
         UNAVAILABLE, what the client then got."""

@@ -169,13 +169,18 @@ def loop() -> Iterator[asyncio.AbstractEventLoop]:
         thread.stop()
 
 
-@pytest.fixture(scope="module")
-def served(triton) -> dict[str, list[str]]:
-    index = tgrpc.InferenceServerClient(triton.grpc_url).get_model_repository_index(as_json=True)
+def served_models(grpc_url: str) -> dict[str, list[str]]:
+    """Model -> versions, from the upstream's repository index (what the refresher reads)."""
+    index = tgrpc.InferenceServerClient(grpc_url).get_model_repository_index(as_json=True)
     out: dict[str, list[str]] = {}
     for entry in index["models"]:
         out.setdefault(entry["name"], []).append(entry.get("version", ""))
     return out
+
+
+@pytest.fixture(scope="module")
+def served(triton) -> dict[str, list[str]]:
+    return served_models(triton.grpc_url)
 
 
 @pytest.fixture(params=ENGINES)

@@ -11,14 +11,16 @@ import threading
 import time
 from collections import Counter
 
+import grpc
 import numpy as np
 import pytest
 import tritonclient.grpc as tgrpc
 from tritonclient.utils import InferenceServerException
 
 from inferwatch import contract
+from tests.fixtures.net import free_port
 from tests.fixtures.sidecar import SidecarInfo, launch_sidecar
-from tests.test_sidecar_grpc import SmallTriton, fault, infer_inputs, wait_for
+from tests.test_sidecar_grpc import SERVICE, SmallTriton, fault, infer_inputs, raw_infer_request, wait_for
 
 pytestmark = pytest.mark.integration
 
@@ -223,3 +225,61 @@ def test_grpc_engine_flag_picks_the_engine(engine: str, triton, tmp_path) -> Non
         wait_for(lambda: grpc_counts(sc)[("ranker", "OK", "success")] == 1, what="the call counted")
         listening = "grpc relay listening" if engine == "relay" else "grpc proxy listening"
         assert listening in sc.log()
+
+
+# Reconnect quickly while a sidecar restarts (gRPC's default backoff grows to 120 s).
+FAST_RECONNECT = [
+    ("grpc.initial_reconnect_backoff_ms", 100),
+    ("grpc.min_reconnect_backoff_ms", 100),
+    ("grpc.max_reconnect_backoff_ms", 300),
+]
+SIGTERM_ROUNDS = 20
+
+
+def test_repeated_sigterm_under_grpc_load_fails_no_call(triton, tmp_path) -> None:
+    """A rolling restart: 4 clients keep calling the sidecar (the real Triton behind it) while it
+    gets SIGTERM, exits and starts again on the same port, 20 times. Calls the sidecar took
+    before its GOAWAY are answered; later ones are refused unprocessed and retried by gRPC on the
+    next sidecar. Not one call fails. The clients wait for a connection (``wait_for_ready``), as
+    a client does while the only endpoint restarts; that covers the seconds with no listener, not
+    a call the sidecar accepted."""
+    port = free_port()
+    request = raw_infer_request("ranker", "1")
+    stop = threading.Event()
+    lock = threading.Lock()
+    ok = [0]
+    failures: list[str] = []
+
+    def load() -> None:
+        with grpc.insecure_channel(f"127.0.0.1:{port}", options=FAST_RECONNECT) as channel:
+            infer = channel.unary_unary(SERVICE + "ModelInfer")
+            while not stop.is_set():
+                try:
+                    infer(request, timeout=60, wait_for_ready=True)
+                    with lock:
+                        ok[0] += 1
+                except grpc.RpcError as exc:
+                    with lock:
+                        failures.append(f"{exc.code().name}: {exc.details()}")
+
+    workers = [threading.Thread(target=load) for _ in range(4)]
+    for w in workers:
+        w.start()
+    try:
+        for i in range(SIGTERM_ROUNDS):
+            with launch_sidecar(
+                triton.http_url, triton.grpc_url, tmp_path, "--grpc-port", str(port), name=f"sidecar-{i}"
+            ) as sc:
+                before = ok[0]
+                wait_for(lambda before=before: ok[0] >= before + 20, timeout=30, what=f"round {i}: load")
+                if i == SIGTERM_ROUNDS - 1:
+                    stop.set()  # no sidecar comes after this one: the clients' last calls go to it
+                os.killpg(sc.proc.pid, signal.SIGTERM)
+                assert sc.proc.wait(30) == 0, sc.log()
+                assert not failures, (i, failures[:5])
+    finally:
+        stop.set()
+        for w in workers:
+            w.join(90)
+    assert not failures, failures[:5]
+    assert ok[0] >= 20 * SIGTERM_ROUNDS
