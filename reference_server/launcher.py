@@ -28,6 +28,7 @@ import httpx
 
 from inferwatch.contract import PORTS
 from inferwatch.paths import STATE_DIR_ENV, state_dir
+from inferwatch.process import die_with_parent
 from reference_server.catalog import MODEL_REPOSITORY
 from reference_server.defaults import TRITON_READY_TIMEOUT
 
@@ -133,22 +134,6 @@ def triton_env(base: dict[str, str] | None = None, faults_dir: Path | None = Non
     return env
 
 
-def die_with_parent(cmd: list[str]) -> list[str]:
-    """``cmd`` wrapped so the kernel sends it SIGTERM when the thread that started it dies
-    (PR_SET_PDEATHSIG, kept across exec): a launcher killed without stopping Triton leaves no
-    server behind.
-
-    The signal is set by util-linux's ``setpriv`` (2.33+; util-linux is Essential on Debian
-    and Ubuntu), which then execs ``cmd``, rather than by a ``preexec_fn``: that makes
-    ``subprocess`` fork this Python process (and run gRPC's fork handlers) instead of
-    vforking, and a fork while gRPC threads are busy crashed Triton at random. Without
-    ``setpriv`` the command runs unwrapped; ``stop()`` and the stack's process-group stop
-    still end it.
-    """
-    setpriv = shutil.which("setpriv") if sys.platform == "linux" else None
-    return [setpriv, "--pdeathsig", "TERM", "--", *cmd] if setpriv else cmd
-
-
 def load_failure(log_text: str) -> str | None:
     """The first model-load failure in a Triton log, as one line."""
     for line in log_text.splitlines():
@@ -242,7 +227,7 @@ class TritonServer:
         env[STATE_DIR_ENV] = str(self.state_dir)
         with open(self.log_path, "wb") as log:
             self.proc = subprocess.Popen(
-                die_with_parent(self.command(binary, backend_dir)),
+                die_with_parent(self.command(binary, backend_dir)),  # see inferwatch/process.py
                 stdout=log,
                 stderr=subprocess.STDOUT,
                 stdin=subprocess.DEVNULL,

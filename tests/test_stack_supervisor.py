@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import io
 import os
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -131,3 +132,43 @@ def test_check_reports_a_component_that_exited(tmp_path: Path) -> None:
     running.proc.wait()
     assert sup.check() is running
     sup.stop_all()
+
+
+# The stack's own process, reduced to its supervisor: starts one component, then waits.
+PARENT = """
+import sys, threading
+from pathlib import Path
+from inferwatch.stack.supervisor import Component, Supervisor
+port, log = sys.argv[1], Path(sys.argv[2])
+cmd = [sys.executable, "-m", "http.server", port, "--bind", "127.0.0.1"]
+sup = Supervisor()
+running = sup.start(Component("web", cmd, f"http://127.0.0.1:{port}/", log))
+sup.wait_ready(running)
+print(running.proc.pid, flush=True)
+threading.Event().wait()
+"""
+
+
+def test_components_die_with_a_stack_that_is_killed(tmp_path: Path) -> None:
+    """SIGKILL gives the stack no chance to stop its components; the kernel still ends them."""
+    parent = subprocess.Popen(
+        [sys.executable, "-c", PARENT, str(free_port()), str(tmp_path / "web.log")],
+        stdout=subprocess.PIPE,
+        text=True,
+        cwd=Path(__file__).resolve().parents[1],
+    )
+    try:
+        assert parent.stdout is not None
+        child = int(parent.stdout.readline())
+        table = process_table()
+        child_id = (child, table[child][3])
+    finally:
+        parent.kill()
+        parent.wait()
+    deadline = time.monotonic() + 20
+    while alive(child_id) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    survived = alive(child_id)
+    if survived:
+        os.kill(child, 9)  # leave nothing behind, then fail
+    assert not survived, "the component outlived the stack's process"

@@ -25,6 +25,7 @@ from pathlib import Path
 import httpx
 
 from inferwatch import logs
+from inferwatch.process import die_with_parent
 
 log = logs.get("inferwatch.stack")
 
@@ -139,7 +140,8 @@ class Supervisor:
         component.log_path.parent.mkdir(parents=True, exist_ok=True)
         with open(component.log_path, "ab") as out:
             proc = subprocess.Popen(
-                list(component.cmd),
+                # SIGTERM when the stack's process dies without stopping it (SIGKILL, a crash)
+                die_with_parent(list(component.cmd)),
                 stdin=subprocess.DEVNULL,
                 stdout=out,
                 stderr=subprocess.STDOUT,
