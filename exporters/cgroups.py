@@ -18,12 +18,15 @@ import logging
 import os
 import re
 import threading
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 from exporters.convert import ProcessUsage
 from exporters.model import GpuProcess
+from exporters.state import ErrorCounter
+from exporters.workers import DONE, PerGpuCalls
 
 log = logging.getLogger("inferwatch.gpu_exporter")
 
@@ -39,6 +42,9 @@ _SCOPE = re.compile(rf"(cri-containerd|crio|docker)-({_CID})\.scope")
 _POD_DIR = re.compile(rf"pod({_UID})")
 _CONTAINER_DIR = re.compile(rf"(?:(cri-containerd|crio|docker)-)?({_CID})")
 _RUNTIMES = {"cri-containerd": "containerd", "crio": "cri-o", "docker": "docker"}
+_QOS = ("besteffort", "burstable")  # guaranteed pods sit directly under kubepods
+# The inode of the initial PID namespace, fixed by the kernel (PROC_PID_INIT_INO, since 3.8).
+INIT_PID_NS = "pid:[4026531836]"
 
 
 @dataclass(frozen=True, slots=True)
@@ -72,9 +78,12 @@ def _parse_path(path: str) -> Owner | None:
             return Owner(uid, "", "")
         sm = _SCOPE.fullmatch(rest[0]) if len(rest) == 1 else None
         return Owner(uid, sm.group(2), _RUNTIMES[sm.group(1)]) if sm else None
-    if parts[0] == "kubepods" or (relative and _POD_DIR.fullmatch(parts[0])):  # cgroupfs driver
+    # cgroupfs driver. Seen from a private cgroup namespace the path starts below kubepods: at
+    # the pod (same QoS class as the reader) or at the QoS folder (another class), e.g.
+    # 0::/../../burstable/pod<uid>/<id> from a besteffort exporter.
+    if parts[0] == "kubepods" or (relative and (_POD_DIR.fullmatch(parts[0]) or parts[0] in _QOS)):
         rest = parts[1:] if parts[0] == "kubepods" else parts
-        if rest and rest[0] in ("besteffort", "burstable"):
+        if rest and rest[0] in _QOS:
             rest = rest[1:]
         if not rest or len(rest) > 2:
             return None
@@ -196,31 +205,60 @@ def proc_cgroup_reader(proc_root: Path) -> Callable[[int], str | None]:
         try:
             return (proc_root / str(pid) / "cgroup").read_text()
         except OSError:
-            return None  # the process ended, or its /proc is not visible (no hostPID)
+            return None  # the process ended, or its /proc is not visible
 
     return read
+
+
+def host_pid_namespace(proc: Path = Path("/proc")) -> bool | None:
+    """Whether this process runs in the host's (initial) PID namespace; None if unknown.
+
+    Current drivers give NVML's process list in the caller's PID namespace and leave out the
+    processes it cannot see, so outside the host's namespace NVML lists none of the workload's
+    processes, whatever /proc is mounted: per-pod memory then needs ``hostPID: true``."""
+    try:
+        return os.readlink(proc / "self" / "ns" / "pid") == INIT_PID_NS
+    except OSError:
+        return None
 
 
 class ProcessAttributor:
     """Refreshes per-owner GPU memory in a background thread; the scrape reads the last result.
 
-    ``list_processes(index)`` is the backend's process listing, already guarded by the caller.
-    """
+    ``list_processes(index)`` is the backend's process listing, already guarded by the caller
+    (None when it failed). Each GPU is listed on its own worker with a deadline, so a call hung
+    on one GPU neither stops the others nor the loop: it is counted (``processes.timeout``, then
+    ``processes.stalled`` while still hung), that GPU's last listing is served for at most
+    ``max_age`` and then dropped, and ``ages()`` says how old each GPU's listing is."""
 
     def __init__(
         self,
         list_processes: Callable[[int], Sequence[GpuProcess] | None],
-        gpus: Callable[[], Sequence[int]],
+        gpus: Callable[[], tuple[object, Sequence[int]]],
         proc_root: Path,
         log_root: Path | None,
         interval: float,
+        *,
+        timeout_s: float = 5.0,
+        max_age_s: float | None = None,
+        errors: ErrorCounter | None = None,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self._list = list_processes
         self._gpus = gpus
         self._read = proc_cgroup_reader(proc_root)
         self._log_root = log_root
         self._interval = interval
+        self._timeout = timeout_s
+        self._max_age = max_age_s if max_age_s is not None else 3 * interval + timeout_s
+        self._errors = errors or ErrorCounter()
+        self._clock = clock
         self._snapshot: tuple[ProcessUsage, ...] = ()
+        self._ages: dict[int, float] = {}
+        self._last: dict[int, tuple[float, Sequence[GpuProcess]]] = {}  # GPU -> (when, listing)
+        self._generation: object = None
+        self._since = clock()
+        self._calls = PerGpuCalls("gpu-processes")
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
@@ -228,14 +266,36 @@ class ProcessAttributor:
     def snapshot(self) -> tuple[ProcessUsage, ...]:
         return self._snapshot
 
+    def ages(self) -> dict[int, float]:
+        """Seconds since each GPU's processes were last listed (since start if never)."""
+        return self._ages
+
+    def _guarded_list(self, index: int) -> Sequence[GpuProcess] | None:
+        try:
+            return self._list(index)
+        except Exception as exc:  # the listing is guarded upstream; this is a bug, counted
+            self._errors.add("processes", str(index), exc)
+            return None
+
     def refresh(self) -> None:
-        per_gpu = []
-        for index in self._gpus():
-            procs = self._list(index)
-            if procs:
-                per_gpu.append((index, procs))
+        generation, indexes = self._gpus()
+        if generation is not self._generation:  # the backend was (re)started: new GPUs, new workers
+            self._calls.close()
+            self._calls = PerGpuCalls("gpu-processes")
+            self._last, self._generation, self._since = {}, generation, self._clock()
+        results = self._calls.run({i: (lambda i=i: self._guarded_list(i)) for i in indexes}, self._timeout)
+        now = self._clock()
+        for index, (outcome, procs) in results.items():
+            if outcome == DONE:
+                if procs is not None:
+                    self._last[index] = (now, procs)
+            else:
+                self._errors.add(f"processes.{outcome}", str(index))
+        fresh = sorted((i, when, procs) for i, (when, procs) in self._last.items() if procs)
+        per_gpu = [(i, procs) for i, when, procs in fresh if now - when <= self._max_age]
         names = read_names(self._log_root) if per_gpu else Names({}, {})
         self._snapshot = tuple(attribute(per_gpu, self._read, names))
+        self._ages = {i: now - self._last[i][0] if i in self._last else now - self._since for i in indexes}
 
     def _run(self) -> None:
         while not self._stop.is_set():
@@ -253,3 +313,4 @@ class ProcessAttributor:
         self._stop.set()
         if self._thread is not None:
             self._thread.join(timeout=5)
+        self._calls.close()

@@ -13,6 +13,7 @@ from prometheus_client.metrics_core import Metric
 
 from exporters.fields import Field
 from exporters.model import DeviceInfo, RawGpu
+from exporters.xid_messages import err_msg
 from inferwatch import contract as c
 
 MIB = 1024 * 1024
@@ -23,7 +24,9 @@ def gpu_labels(dev: DeviceInfo, hostname: str) -> dict[str, str]:
     labels = {
         c.L_GPU: str(dev.index),
         c.L_UUID: dev.uuid,
-        c.L_DEVICE: f"nvidia{dev.minor}",
+        c.L_PCI_BUS_ID: dev.pci_bus_id,
+        # dcgm-exporter: fmt.Sprintf("nvidia%d", GPU index) (gpu_collector.go), not the minor number
+        c.L_DEVICE: f"nvidia{dev.index}",
         c.L_MODEL_NAME: dev.name,
     }
     if hostname:
@@ -34,20 +37,16 @@ def gpu_labels(dev: DeviceInfo, hostname: str) -> dict[str, str]:
 def dcgm_values(raw: RawGpu, last_xid: int) -> dict[str, float | int]:
     """The dcgm field values of one reading, keyed by metric name; unread fields are absent.
 
-    Framebuffer figures are whole MiB, as dcgm-exporter reports them. FB_USED is derived as
-    total - free - reserved (in MiB) when those three are known, so the three gauges always add
-    up to the total; NVML's own ``used`` is the same difference taken in bytes, so the two differ
-    by at most 1 MiB of rounding.
+    Framebuffer figures are whole MiB, as dcgm-exporter reports them, each NVML byte figure
+    floored on its own: FB_USED is NVML's ``used``, as DCGM reports it and nvidia-smi shows it,
+    not a difference computed here (see the README's "FB_USED" decision).
     """
     v: dict[str, float | int] = {c.DCGM_XID_ERRORS.name: last_xid}
-    total, free, reserved = raw.mem_total, raw.mem_free, raw.mem_reserved
-    if free is not None:
-        v[c.DCGM_FB_FREE.name] = free // MIB
-    if reserved is not None:
-        v[c.DCGM_FB_RESERVED.name] = reserved // MIB
-    if total is not None and free is not None and reserved is not None:
-        v[c.DCGM_FB_USED.name] = max(0, total // MIB - free // MIB - reserved // MIB)
-    elif raw.mem_used is not None:
+    if raw.mem_free is not None:
+        v[c.DCGM_FB_FREE.name] = raw.mem_free // MIB
+    if raw.mem_reserved is not None:
+        v[c.DCGM_FB_RESERVED.name] = raw.mem_reserved // MIB
+    if raw.mem_used is not None:
         v[c.DCGM_FB_USED.name] = raw.mem_used // MIB
     if raw.power_mw is not None:
         v[c.DCGM_POWER_USAGE.name] = raw.power_mw / 1000.0
@@ -119,10 +118,15 @@ def gpu_families(
     for f in fields:
         name = f.metric.name
         fam = _family(f.metric, f.help)
+        xid = f.metric is c.DCGM_XID_ERRORS
         for row, vals in values:
             val = vals.get(name)
             if val is not None:
-                fam.add_sample(name, row.dcgm_labels or row.labels, val)
+                labels = row.dcgm_labels or row.labels
+                if xid:  # dcgm-exporter adds the code and its text (gpu_collector.go)
+                    code = int(val)
+                    labels = {**labels, c.L_ERR_CODE: str(code), c.L_ERR_MSG: err_msg(code)}
+                fam.add_sample(name, labels, val)
         if fam.samples:
             out.append(fam)
 
@@ -161,6 +165,7 @@ def health_families(
     up: bool,
     errors: Mapping[tuple[str, str], int],
     scrape_seconds: float,
+    host_pid: bool | None = None,
 ) -> list[Metric]:
     """The exporter's own health: which backend, whether it is up, errors by call and GPU."""
     info = _family(c.GPU_BACKEND_INFO)
@@ -172,4 +177,9 @@ def health_families(
         errs.add_sample(c.GPU_BACKEND_ERRORS.name, {"call": call, c.L_GPU: gpu}, n)
     dur = _family(c.GPU_SCRAPE_DURATION)
     dur.add_sample(c.GPU_SCRAPE_DURATION.name, {}, scrape_seconds)
-    return [info, up_fam, errs, dur]
+    out = [info, up_fam, errs, dur]
+    if host_pid is not None:  # unknown (unreadable namespace link): left out rather than guessed
+        pid = _family(c.GPU_HOST_PID_NAMESPACE)
+        pid.add_sample(c.GPU_HOST_PID_NAMESPACE.name, {}, 1 if host_pid else 0)
+        out.append(pid)
+    return out

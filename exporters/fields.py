@@ -40,8 +40,17 @@ def parse_fields(text: str, source: str = "<fields>") -> tuple[Field, ...]:
         name, type_, help_ = parts
         if not name:
             raise FieldsError(f"{source}:{lineno}: empty field name")
+        if name == contract.L_DRIVER_VERSION:
+            # dcgm-exporter's default-counters.csv lists it as a label; the exporter always
+            # writes it on the dcgm series (when the driver tells it), so the row is accepted
+            if type_ != "label":
+                raise FieldsError(f"{source}:{lineno}: {name}: a label field, type must be 'label'")
+            continue
         if type_ == "label":
-            raise FieldsError(f"{source}:{lineno}: {name}: label fields are not supported")
+            raise FieldsError(
+                f"{source}:{lineno}: {name}: label fields are not supported "
+                f"(only {contract.L_DRIVER_VERSION}, which is always written)"
+            )
         if type_ not in _TYPES:
             raise FieldsError(f"{source}:{lineno}: {name}: type must be gauge or counter, got {type_!r}")
         if not help_:

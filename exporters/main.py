@@ -13,7 +13,7 @@ from prometheus_client import ProcessCollector
 from prometheus_client.registry import CollectorRegistry
 
 from exporters.backends.simulated import MODELS, SimulatedBackend
-from exporters.collector import GpuCollector, GpuSource
+from exporters.collector import GpuCollector, GpuSource, nvml_absent
 from exporters.fields import DEFAULT_FIELDS, FieldsError, load_fields
 from exporters.model import Backend
 from exporters.server import ExporterApp, make_server
@@ -30,7 +30,8 @@ def _nvml() -> Backend:
 
 
 def build_source(args: argparse.Namespace) -> GpuSource:
-    """The backend candidates for ``--backend``: nvml retries, auto falls back to simulated."""
+    """The backend candidates for ``--backend``: nvml retries; auto falls back to simulated only
+    on a host with no NVIDIA library and no NVIDIA driver."""
 
     def simulated() -> Backend:
         return SimulatedBackend(args.gpus, args.gpu_model, args.hostname)
@@ -46,8 +47,12 @@ def build_source(args: argparse.Namespace) -> GpuSource:
         candidates,
         label="simulated" if args.backend == "simulated" else "nvml",
         hostname=args.hostname,
-        retry=args.backend == "nvml",
+        # auto retries too: on a host with a driver it reports NVML's error instead of simulating,
+        # and while it simulates (no driver at all) a library mounted late is still picked up
+        retry=args.backend != "simulated",
+        fall_back=nvml_absent,
         retry_max_s=args.nvml_retry_max,
+        process_timeout_s=args.scrape_timeout,
         proc_root=Path(args.proc_root),
         log_root=Path(args.kubelet_log_dir) if args.kubelet_log_dir else None,
         process_interval_s=args.process_interval,

@@ -21,8 +21,19 @@ class DeviceInfo:
     index: int
     uuid: str
     name: str  # NVML's product name, e.g. "NVIDIA H100 80GB HBM3" (dcgm-exporter's modelName)
-    minor: int  # /dev/nvidia<minor> (dcgm-exporter's device label is "nvidia<minor>")
+    # /dev/nvidia<minor>: what GKE's device ids ("nvidia0") and the DRA driver's device names
+    # ("gpu-0") count. dcgm-exporter's device label is "nvidia<index>", not this.
+    minor: int
     pci_bus_id: str = ""
+
+
+@dataclass(frozen=True, slots=True)
+class DeviceFailure:
+    """A GPU that NVML counts but that could not be opened at start (e.g. GPU_IS_LOST)."""
+
+    index: int
+    call: str
+    error: BaseException
 
 
 @dataclass(slots=True)
@@ -51,7 +62,7 @@ class RawGpu:
 
 class Guard(Protocol):
     """Runs one backend call for one GPU: returns its value, or None when it is unsupported
-    (dropped quietly, not called again) or failed (counted by call and GPU)."""
+    (dropped quietly, asked again after a while) or failed (counted by call and GPU)."""
 
     def __call__(self, call: str, fn: Callable[[], T]) -> T | None: ...
 
@@ -74,6 +85,10 @@ class Backend(Protocol):
     not_supported: tuple[type[BaseException], ...]
 
     def init(self) -> list[DeviceInfo]: ...
+
+    # After ``init``: GPUs counted but not opened, and the driver's version ("" if unknown).
+    failed: list[DeviceFailure]
+    driver_version: str
 
     def read(self, index: int, guard: Guard) -> RawGpu: ...
 

@@ -2,8 +2,9 @@
 
 The kubelet serves ``v1.PodResourcesLister/List`` on a unix socket
 (``/var/lib/kubelet/pod-resources/kubelet.sock``). Its answer names every pod's containers and
-the device ids they were given; for ``nvidia.com/*`` resources those are GPU UUIDs (with a
-``::<n>`` suffix under time-slicing). A GPU allocated to exactly one container gets that
+the devices they were given: device-plugin ids for ``nvidia.com/*`` resources (a UUID, with a
+``::<n>`` suffix under time-slicing; an index; GKE's ``nvidia<minor>[/vgpu<n>]``) and DRA devices
+of NVIDIA's DRA driver (``gpu-<minor>``). A GPU allocated to exactly one container gets that
 container's ``pod``, ``namespace`` and ``container`` labels on its dcgm series; a GPU shared by
 several, or by none, gets none (per-pod figures for shared GPUs are in the per-process metric).
 
@@ -15,9 +16,13 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
 from pathlib import Path
+
+from exporters.model import DeviceInfo
 
 log = logging.getLogger("inferwatch.gpu_exporter")
 
@@ -74,23 +79,75 @@ def _messages(buf: bytes, number: int) -> list[bytes]:
     return [v for n, v in _fields(buf) if n == number and isinstance(v, bytes)]
 
 
-def parse_list_response(buf: bytes) -> dict[str, list[Owner]]:
-    """GPU UUID -> the containers it is allocated to, from a ListPodResourcesResponse."""
-    owners: dict[str, list[Owner]] = {}
+DRA_GPU_DRIVER = "gpu.nvidia.com"  # NVIDIA's DRA driver, as dcgm-exporter filters it
+
+
+@dataclass(frozen=True, slots=True)
+class Allocation:
+    """One device given to one container: a device-plugin id or a DRA device name."""
+
+    device_id: str  # e.g. "GPU-<uuid>", "GPU-<uuid>::2", "nvidia0", "nvidia0/vgpu1", "0", "gpu-0"
+    owner: Owner
+    dra: bool = False  # device_id is a DRA device name (from dynamic_resources)
+
+
+def parse_list_response(buf: bytes) -> list[Allocation]:
+    """Every NVIDIA device allocation in a ListPodResourcesResponse: device-plugin devices of
+    ``nvidia.com/*`` resources and DRA devices of NVIDIA's DRA driver."""
+    out: list[Allocation] = []
     for pod in _messages(buf, 1):  # repeated PodResources pod_resources = 1
         name = next(iter(_strings(pod, 1)), "")
         namespace = next(iter(_strings(pod, 2)), "")
         for container in _messages(pod, 3):  # repeated ContainerResources containers = 3
-            cname = next(iter(_strings(container, 1)), "")
+            owner = (namespace, name, next(iter(_strings(container, 1)), ""))
             for devices in _messages(container, 2):  # repeated ContainerDevices devices = 2
                 resource = next(iter(_strings(devices, 1)), "")
-                if not resource.startswith(GPU_RESOURCE_PREFIX):
-                    continue
-                for device_id in _strings(devices, 2):
-                    uuid = device_id.split("::", 1)[0]  # time-slicing replicas: GPU-<uuid>::<n>
-                    owner = (namespace, name, cname)
-                    if owner not in owners.setdefault(uuid, []):
-                        owners[uuid].append(owner)
+                if resource.startswith(GPU_RESOURCE_PREFIX):
+                    out.extend(Allocation(d, owner) for d in _strings(devices, 2))
+            for dynamic in _messages(container, 5):  # repeated DynamicResource dynamic_resources = 5
+                for claim in _messages(dynamic, 4):  # repeated ClaimResource claim_resources = 4
+                    # ClaimResource: driver_name = 2, pool_name = 3, device_name = 4
+                    if next(iter(_strings(claim, 2)), "") == DRA_GPU_DRIVER:
+                        out.extend(Allocation(d, owner, dra=True) for d in _strings(claim, 4))
+    return out
+
+
+_GKE = re.compile(r"nvidia(\d+)(?:/vgpu\d+)?")  # GKE's plugin: /dev/nvidia<minor>, shared as /vgpuN
+_DRA_GPU = re.compile(r"gpu-(\d+)")  # NVIDIA's DRA driver: gpu-<minor> (gpu-<minor>-mig-... for MIG)
+_INDEX = re.compile(r"\d+")  # NVIDIA's device plugin with --device-id-strategy=index
+
+
+def resolve(alloc: Allocation, devices: Sequence[DeviceInfo]) -> DeviceInfo | None:
+    """The GPU an allocation names, or None (MIG devices, GKE MIG partitions, unknown ids).
+
+    Each id type is what its allocator means by it: a UUID (NVIDIA's device plugin, default),
+    an NVML index (its index strategy), /dev/nvidia<minor> (GKE), or the DRA driver's
+    ``gpu-<minor>``. Sharing suffixes (``::<n>`` time-slicing replicas, ``/vgpu<n>``) name the
+    same GPU."""
+    device_id = alloc.device_id
+    if alloc.dra:
+        m = _DRA_GPU.fullmatch(device_id)
+        return next((d for d in devices if d.minor == int(m.group(1))), None) if m else None
+    base = device_id.split("::", 1)[0]
+    if base.startswith("GPU-"):
+        return next((d for d in devices if d.uuid == base), None)
+    m = _GKE.fullmatch(base)
+    if m:
+        return next((d for d in devices if d.minor == int(m.group(1))), None)
+    if _INDEX.fullmatch(base):
+        return next((d for d in devices if d.index == int(base)), None)
+    return None
+
+
+def owners_by_gpu(allocations: Sequence[Allocation], devices: Sequence[DeviceInfo]) -> dict[int, list[Owner]]:
+    """GPU index -> the distinct containers it is allocated to."""
+    owners: dict[int, list[Owner]] = {}
+    for alloc in allocations:
+        dev = resolve(alloc, devices)
+        if dev is not None:
+            found = owners.setdefault(dev.index, [])
+            if alloc.owner not in found:
+                found.append(alloc.owner)
     return owners
 
 
@@ -103,13 +160,14 @@ def list_pod_resources(socket_path: str, timeout_s: float = 5.0) -> bytes:
 
 
 class PodResourcesWatcher:
-    """Refreshes GPU UUID -> owner in a background thread; ``owner(uuid)`` is a dict lookup."""
+    """Refreshes the NVIDIA device allocations in a background thread; ``on_change`` gets the
+    whole list when it changes."""
 
     def __init__(
         self,
         socket_path: str,
         interval_s: float,
-        on_change: Callable[[dict[str, Owner]], None],
+        on_change: Callable[[list[Allocation]], None],
         on_error: Callable[[BaseException], None],
         fetch: Callable[[str], bytes] = list_pod_resources,
     ) -> None:
@@ -120,18 +178,17 @@ class PodResourcesWatcher:
         self._fetch = fetch
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
-        self._last: dict[str, Owner] | None = None
+        self._last: list[Allocation] | None = None
 
     @staticmethod
     def available(socket_path: str) -> bool:
         return bool(socket_path) and Path(socket_path).exists() and os.access(socket_path, os.R_OK | os.W_OK)
 
     def refresh(self) -> None:
-        owners = parse_list_response(self._fetch(self._socket))
-        single = {uuid: found[0] for uuid, found in owners.items() if len(found) == 1}
-        if single != self._last:
-            self._last = single
-            self._on_change(single)
+        allocations = parse_list_response(self._fetch(self._socket))
+        if allocations != self._last:
+            self._last = allocations
+            self._on_change(allocations)
 
     def _run(self) -> None:
         while not self._stop.is_set():

@@ -92,14 +92,7 @@ class ExporterApp:
         return render(self.registry.collect())
 
     def health(self) -> dict[str, Any]:
-        ready = self.source.ready
-        return {
-            "status": "ok",  # the process serves; a down backend is reported, not fatal
-            "backend": self.source.label,
-            "backend_up": ready is not None,
-            "gpus": len(ready.devices) if ready else 0,
-            "error": self.source.last_error or None,
-        }
+        return self.source.health()
 
     def _simulated(self) -> SimulatedBackend | None:
         ready = self.source.ready

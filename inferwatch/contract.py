@@ -47,6 +47,10 @@ L_UUID = "UUID"
 L_DEVICE = "device"
 L_MODEL_NAME = "modelName"
 L_HOSTNAME = "Hostname"
+L_PCI_BUS_ID = "pci_bus_id"  # NVML's bus id, "00000000:9A:00.0", as dcgm-exporter writes it
+L_DRIVER_VERSION = "DCGM_FI_DRIVER_VERSION"  # dcgm-exporter's label field of that name
+L_ERR_CODE = "err_code"  # on DCGM_FI_DEV_XID_ERRORS: the XID code, and its text in err_msg
+L_ERR_MSG = "err_msg"
 L_POD = "pod"
 L_NAMESPACE = "namespace"
 L_CONTAINER = "container"
@@ -64,7 +68,7 @@ MODEL_OVERFLOW = "__other__"
 # The value for requests that name no model (health checks, repository index, ...).
 MODEL_NONE = ""
 
-GPU_LABELS = (L_GPU, L_UUID, L_DEVICE, L_MODEL_NAME, L_HOSTNAME)
+GPU_LABELS = (L_GPU, L_UUID, L_PCI_BUS_ID, L_DEVICE, L_MODEL_NAME, L_HOSTNAME)  # dcgm-exporter's order
 GPU_POD_LABELS = (*GPU_LABELS, L_POD, L_NAMESPACE, L_CONTAINER)
 
 # ---------------------------------------------------------------------------------------
@@ -133,8 +137,8 @@ SIDECAR_METRICS = (
 # ---------------------------------------------------------------------------------------
 
 
-def _dcgm(name: str, type_: MetricType, help_: str, unit: str = "") -> Metric:
-    return Metric(name, type_, help_, GPU_POD_LABELS, unit=unit, source="dcgm")
+def _dcgm(name: str, type_: MetricType, help_: str, unit: str = "", extra: tuple[str, ...] = ()) -> Metric:
+    return Metric(name, type_, help_, (*GPU_POD_LABELS, L_DRIVER_VERSION, *extra), unit=unit, source="dcgm")
 
 
 DCGM_GPU_UTIL = _dcgm("DCGM_FI_DEV_GPU_UTIL", "gauge", "GPU utilization (in %).", "percent")
@@ -153,7 +157,9 @@ DCGM_TOTAL_ENERGY = _dcgm(
     "Total energy consumption since boot (in mJ).",
     "millijoules",
 )
-DCGM_XID_ERRORS = _dcgm("DCGM_FI_DEV_XID_ERRORS", "gauge", "Value of the last XID error encountered.")
+DCGM_XID_ERRORS = _dcgm(
+    "DCGM_FI_DEV_XID_ERRORS", "gauge", "Value of the last XID error encountered.", extra=(L_ERR_CODE, L_ERR_MSG)
+)
 DCGM_PCIE_REPLAY = _dcgm("DCGM_FI_DEV_PCIE_REPLAY_COUNTER", "counter", "Total number of PCIe retries.")
 DCGM_CORRECTABLE_REMAPPED_ROWS = _dcgm(
     "DCGM_FI_DEV_CORRECTABLE_REMAPPED_ROWS",
@@ -252,7 +258,33 @@ GPU_BACKEND_ERRORS = Metric(
     source="gpu_exporter",
 )
 
+GPU_UP = Metric(
+    "inferwatch_gpu_up",
+    "gauge",
+    "1 when the last read of this GPU returned values, 0 when it failed, timed out or the GPU is lost.",
+    GPU_LABELS,
+    source="gpu_exporter",
+)
+GPU_HOST_PID_NAMESPACE = Metric(
+    "inferwatch_gpu_host_pid_namespace",
+    "gauge",
+    "1 when the exporter runs in the host's PID namespace; 0 when not, and NVML then lists no GPU processes.",
+    (),
+    source="gpu_exporter",
+)
+GPU_PROCESS_SCAN_AGE = Metric(
+    "inferwatch_gpu_process_scan_age_seconds",
+    "gauge",
+    "Seconds since this GPU's processes were last listed successfully (per-pod memory's staleness).",
+    GPU_LABELS,
+    unit="seconds",
+    source="gpu_exporter",
+)
+
 GPU_EXPORTER_METRICS = (
+    GPU_UP,
+    GPU_HOST_PID_NAMESPACE,
+    GPU_PROCESS_SCAN_AGE,
     GPU_FB_TOTAL_BYTES,
     GPU_XID_ERRORS_TOTAL,
     GPU_PROCESS_MEMORY,
@@ -442,8 +474,8 @@ RECORDING_RULES = (
 )
 
 # Series names that are not metric families of a component but may appear in generated
-# files (recording rules add theirs here).
-EXTRA_SERIES: frozenset[str] = frozenset(RECORDING_RULES)
+# files (recording rules add theirs here), and dcgm-exporter's DCGM_FI_* label field.
+EXTRA_SERIES: frozenset[str] = frozenset(RECORDING_RULES) | {L_DRIVER_VERSION}
 # Canary comparison (canary.window of the spec), only for versions with at least
 # canary.min_requests requests (the error ratio) or successful requests (the quantile).
 REC_CANARY_ERROR_RATIO = "model_version:inferwatch_canary_server_errors:ratio"

@@ -49,20 +49,22 @@ def values(fams: list[Metric], gpu: str = "3") -> dict[str, float]:
 
 def test_recorded_h100_reading_converts_to_dcgm_units() -> None:
     labels = gpu_labels(H100, "node-a")
-    assert labels == {
-        "gpu": "3",
-        "UUID": H100.uuid,
-        "device": "nvidia3",
-        "modelName": "NVIDIA H100 80GB HBM3",
-        "Hostname": "node-a",
-    }
+    assert list(labels.items()) == [  # dcgm-exporter's names and order (render_metrics.go)
+        ("gpu", "3"),
+        ("UUID", H100.uuid),
+        ("pci_bus_id", "00000000:9A:00.0"),
+        ("device", "nvidia3"),
+        ("modelName", "NVIDIA H100 80GB HBM3"),
+        ("Hostname", "node-a"),
+    ]
     fams = gpu_families(FIELDS, [GpuRow(3, labels, H100_READING)], {}, {}, [])
     v = values(fams)
     assert v[c.DCGM_FB_FREE.name] == 38146
     assert v[c.DCGM_FB_RESERVED.name] == 530
-    # derived so the three add up to the total; NVML's own used differs by rounding only
-    assert v[c.DCGM_FB_USED.name] + v[c.DCGM_FB_FREE.name] + v[c.DCGM_FB_RESERVED.name] == 81559
-    assert abs(v[c.DCGM_FB_USED.name] - H100_READING.mem_used / MIB) < 1
+    # NVML's own used, floored to MiB as DCGM does; each figure floored alone, so the three
+    # add up to the total within 2 MiB
+    assert v[c.DCGM_FB_USED.name] == H100_READING.mem_used // MIB == 42882
+    assert 81559 - 2 <= v[c.DCGM_FB_USED.name] + v[c.DCGM_FB_FREE.name] + v[c.DCGM_FB_RESERVED.name] <= 81559
     assert v[c.GPU_FB_TOTAL_BYTES.name] == 85520809984
     assert v[c.DCGM_POWER_USAGE.name] == pytest.approx(612.345)
     assert v[c.DCGM_TOTAL_ENERGY.name] == 123456789012
@@ -96,7 +98,7 @@ def test_an_unread_value_drops_only_its_own_series() -> None:
     assert "Hostname" not in fams[0].samples[0].labels  # as dcgm-exporter: absent when unknown
 
 
-def test_fb_used_falls_back_to_nvml_used_when_free_is_unknown() -> None:
+def test_fb_used_is_nvml_used_even_when_free_is_unknown() -> None:
     reading = RawGpu(mem_total=85520809984, mem_used=10 * MIB + 5)
     v = values(gpu_families(FIELDS, [GpuRow(3, gpu_labels(H100, ""), reading)], {}, {}, []))
     assert v[c.DCGM_FB_USED.name] == 10
@@ -163,6 +165,7 @@ def test_default_fields_file_lists_every_dcgm_metric_of_the_contract() -> None:
             "<f>:1: DCGM_FI_DEV_GPU_UTIL: type must be gauge or counter",
         ),
         ("DCGM_FI_DEV_GPU_UTIL, label, Driver Version\n", "<f>:1: DCGM_FI_DEV_GPU_UTIL: label fields"),
+        ("DCGM_FI_DRIVER_VERSION, gauge, Driver Version\n", "<f>:1: DCGM_FI_DRIVER_VERSION: a label"),
         ("DCGM_FI_DEV_GPU_UTIL, gauge,\n", "<f>:1: DCGM_FI_DEV_GPU_UTIL: empty help"),
         (
             "DCGM_FI_DEV_GPU_UTIL, gauge, a\n\nDCGM_FI_DEV_GPU_UTIL, gauge, b\n",

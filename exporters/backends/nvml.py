@@ -4,6 +4,10 @@ Each device call goes through the collector's guard, one call per guard, so an u
 failing call costs only its own series. Values stay in NVML's units; ``exporters.convert``
 turns them into dcgm-exporter's.
 
+Start-up opens each GPU in its own guard: a GPU whose handle, UUID or name call fails (NVML
+answers GPU_IS_LOST for a GPU that fell off the bus) is listed in ``failed`` and the others are
+served. Only ``nvmlInit`` and ``nvmlDeviceGetCount`` failing fails the start.
+
 This path has not been run on a GPU in this repository's tests (the development machines have
 none); ``python -m exporters.gpu_check`` compares it with nvidia-smi on a machine that has one.
 """
@@ -15,11 +19,15 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
-from exporters.model import DeviceInfo, GpuProcess, Guard, RawGpu
+from exporters.model import DeviceFailure, DeviceInfo, GpuProcess, Guard, RawGpu
 
 log = logging.getLogger("inferwatch.gpu_exporter")
 
 XID_WAIT_MS = 1000  # how long one event wait blocks; bounds how fast the watcher sees stop
+XID_REBUILD_S = 1.0  # pause before rebuilding the event set after a failed wait
+XID_NONE_REGISTERED_S = 30.0  # pause before trying again when no GPU accepted registration
+# Memory temperature above this is garbage, not a reading (DCGM drops such values too).
+MEMORY_TEMP_MAX_C = 200
 
 
 def _text(value: Any) -> str:
@@ -36,41 +44,59 @@ class NvmlBackend:
 
         self.nv = nvml
         self.not_supported = (nvml.NVMLError_NotSupported,)
-        self._handles: list[Any] = []
+        self._handles: dict[int, Any] = {}
         self._by_handle: dict[int, int] = {}
-        self._memory_v2 = True
+        self._memory_v1: set[int] = set()  # GPUs without memory info v2 (per GPU, not per process)
+        self.failed: list[DeviceFailure] = []
+        self.driver_version = ""
 
     def init(self) -> list[DeviceInfo]:
         nv = self.nv
         nv.nvmlInit()
         try:
-            devices = []
-            self._handles = []
-            for i in range(nv.nvmlDeviceGetCount()):
-                h = nv.nvmlDeviceGetHandleByIndex(i)
-                self._handles.append(h)
-                try:
-                    bus = _text(nv.nvmlDeviceGetPciInfo(h).busId)
-                except nv.NVMLError:
-                    bus = ""
-                try:
-                    minor = nv.nvmlDeviceGetMinorNumber(h)
-                except nv.NVMLError:
-                    minor = i
-                devices.append(
-                    DeviceInfo(i, _text(nv.nvmlDeviceGetUUID(h)), _text(nv.nvmlDeviceGetName(h)), minor, bus)
-                )
-            self._by_handle = {_handle_key(h): i for i, h in enumerate(self._handles)}
-            return devices
+            count = nv.nvmlDeviceGetCount()
         except Exception:
             nv.nvmlShutdown()
             raise
+        try:
+            self.driver_version = _text(nv.nvmlSystemGetDriverVersion())
+        except nv.NVMLError:
+            self.driver_version = ""
+        devices: list[DeviceInfo] = []
+        self._handles, self.failed, self._memory_v1 = {}, [], set()
+        for i in range(count):
+            call = "nvmlDeviceGetHandleByIndex"
+            try:
+                h = nv.nvmlDeviceGetHandleByIndex(i)
+                call = "nvmlDeviceGetUUID"
+                uuid = _text(nv.nvmlDeviceGetUUID(h))
+                call = "nvmlDeviceGetName"
+                name = _text(nv.nvmlDeviceGetName(h))
+            except nv.NVMLError as exc:
+                self.failed.append(DeviceFailure(i, call, exc))
+                log.warning(
+                    "GPU could not be opened; serving the others",
+                    extra={"fields": {"gpu": i, "call": call, "error": str(exc)}},
+                )
+                continue
+            try:
+                bus = _text(nv.nvmlDeviceGetPciInfo(h).busId)
+            except nv.NVMLError:
+                bus = ""
+            try:
+                minor = nv.nvmlDeviceGetMinorNumber(h)
+            except nv.NVMLError:
+                minor = -1  # unknown: matches no GKE or DRA device id
+            self._handles[i] = h
+            devices.append(DeviceInfo(i, uuid, name, minor, bus))
+        self._by_handle = {_handle_key(h): i for i, h in self._handles.items()}
+        return devices
 
     def read(self, index: int, guard: Guard) -> RawGpu:
         nv = self.nv
         h = self._handles[index]
         raw = RawGpu()
-        mem = guard("nvmlDeviceGetMemoryInfo", lambda: self._memory(h))
+        mem = guard("nvmlDeviceGetMemoryInfo", lambda: self._memory(index, h))
         if mem is not None:
             raw.mem_total, raw.mem_free, raw.mem_used = mem.total, mem.free, mem.used
             raw.mem_reserved = getattr(mem, "reserved", None)  # absent from the v1 struct
@@ -89,9 +115,7 @@ class NvmlBackend:
         raw.mem_clock = guard(
             "nvmlDeviceGetClockInfo(MEM)", lambda: nv.nvmlDeviceGetClockInfo(h, nv.NVML_CLOCK_MEM)
         )
-        raw.gpu_temp = guard(
-            "nvmlDeviceGetTemperature", lambda: nv.nvmlDeviceGetTemperature(h, nv.NVML_TEMPERATURE_GPU)
-        )
+        raw.gpu_temp = guard("nvmlDeviceGetTemperature", lambda: self._gpu_temp(h))
         raw.mem_temp = guard("nvmlDeviceGetFieldValues(MEMORY_TEMP)", lambda: self._memory_temp(h))
         raw.power_mw = guard("nvmlDeviceGetPowerUsage", lambda: nv.nvmlDeviceGetPowerUsage(h))
         raw.energy_mj = guard(
@@ -105,24 +129,39 @@ class NvmlBackend:
             raw.remap_correctable, raw.remap_uncorrectable, _pending, raw.remap_failure = rows
         return raw
 
-    def _memory(self, h: Any) -> Any:
-        """Memory info v2 (total, reserved, free, used); v1 on drivers without v2, where "used"
-        includes the reserved memory and no reserved figure exists."""
+    def _memory(self, index: int, h: Any) -> Any:
+        """Memory info v2 (total, reserved, free, used); v1 on a GPU or driver without v2, where
+        "used" includes the reserved memory and no reserved figure exists. Decided per GPU."""
         nv = self.nv
-        if self._memory_v2:
+        if index not in self._memory_v1:
             try:
                 return nv.nvmlDeviceGetMemoryInfo(h, version=nv.nvmlMemory_v2)
             except (nv.NVMLError_FunctionNotFound, nv.NVMLError_NotSupported):
-                self._memory_v2 = False
-                log.info("NVML memory info v2 unavailable; using v1 (no reserved figure)")
+                self._memory_v1.add(index)
+                log.info(
+                    "NVML memory info v2 unavailable on this GPU; using v1 (no reserved figure)",
+                    extra={"fields": {"gpu": index}},
+                )
         return nv.nvmlDeviceGetMemoryInfo(h)
 
-    def _memory_temp(self, h: Any) -> int:
+    def _gpu_temp(self, h: Any) -> int:
+        # nvmlDeviceGetTemperature is deprecated for removal; V is the versioned call that
+        # replaces it (driver r570 on). Older drivers do not export it: fall back.
+        nv = self.nv
+        versioned = getattr(nv, "nvmlDeviceGetTemperatureV", None)
+        if versioned is not None:
+            try:
+                return int(versioned(h, nv.NVML_TEMPERATURE_GPU))
+            except nv.NVMLError_FunctionNotFound:
+                pass
+        return nv.nvmlDeviceGetTemperature(h, nv.NVML_TEMPERATURE_GPU)
+
+    def _memory_temp(self, h: Any) -> int | None:
         nv = self.nv
         (fv,) = nv.nvmlDeviceGetFieldValues(h, [nv.NVML_FI_DEV_MEMORY_TEMP])
         if fv.nvmlReturn != nv.NVML_SUCCESS:
             raise nv.NVMLError(fv.nvmlReturn)  # NotSupported on GDDR boards: dropped quietly
-        return int(_field_value(nv, fv))
+        return memory_temp(nv, fv)
 
     def processes(self, index: int) -> list[GpuProcess]:
         procs = self.nv.nvmlDeviceGetComputeRunningProcesses(self._handles[index])
@@ -131,41 +170,65 @@ class NvmlBackend:
     def watch_xids(
         self, stop: threading.Event, record: Callable[[int, int], None], error: Callable[[str], None]
     ) -> None:
-        """Reads XID critical-error events until ``stop`` is set."""
+        """Reads XID critical-error events until ``stop`` is set.
+
+        Every GPU shares one event set, and after an Xid 79 the wait answers GPU_IS_LOST at once
+        and forever. So a failed wait frees the set and builds a new one from the GPUs that
+        still accept registration: the lost GPU drops out and the others are watched again."""
         nv = self.nv
-        event_set = nv.nvmlEventSetCreate()
-        try:
-            registered = 0
-            for i, h in enumerate(self._handles):
-                try:
-                    nv.nvmlDeviceRegisterEvents(h, nv.nvmlEventTypeXidCriticalError, event_set)
-                    registered += 1
-                except nv.NVMLError_NotSupported:
-                    log.info("XID events not supported on this GPU", extra={"fields": {"gpu": i}})
-                except nv.NVMLError as exc:
-                    error("nvmlDeviceRegisterEvents")
-                    log.warning("cannot watch XID events", extra={"fields": {"gpu": i, "error": str(exc)}})
-            if not registered:
-                return
-            while not stop.is_set():
-                try:
-                    data = nv.nvmlEventSetWait_v2(event_set, XID_WAIT_MS)
-                except nv.NVMLError_Timeout:
-                    continue
-                except nv.NVMLError as exc:
-                    error("nvmlEventSetWait")
-                    log.warning("XID event wait failed", extra={"fields": {"error": str(exc)}})
-                    stop.wait(5.0)
-                    continue
-                if data.eventType & nv.nvmlEventTypeXidCriticalError:
-                    gpu = self._by_handle.get(_handle_key(data.device))
-                    if gpu is not None:
-                        record(gpu, int(data.eventData))
-        finally:
+        while not stop.is_set():
+            event_set = nv.nvmlEventSetCreate()
             try:
-                nv.nvmlEventSetFree(event_set)
-            except nv.NVMLError:
-                pass
+                registered = self._register(event_set, error)
+                if not registered:
+                    stop.wait(XID_NONE_REGISTERED_S)
+                    continue
+                self._wait_events(event_set, stop, record, error)
+            finally:
+                try:
+                    nv.nvmlEventSetFree(event_set)
+                except nv.NVMLError:
+                    pass
+            stop.wait(XID_REBUILD_S)
+
+    def _register(self, event_set: Any, error: Callable[[str], None]) -> int:
+        nv = self.nv
+        registered = 0
+        for i, h in self._handles.items():
+            try:
+                nv.nvmlDeviceRegisterEvents(h, nv.nvmlEventTypeXidCriticalError, event_set)
+                registered += 1
+            except nv.NVMLError_NotSupported:
+                log.info("XID events not supported on this GPU", extra={"fields": {"gpu": i}})
+            except nv.NVMLError as exc:
+                error("nvmlDeviceRegisterEvents")
+                log.warning("cannot watch XID events", extra={"fields": {"gpu": i, "error": str(exc)}})
+        return registered
+
+    def _wait_events(
+        self,
+        event_set: Any,
+        stop: threading.Event,
+        record: Callable[[int, int], None],
+        error: Callable[[str], None],
+    ) -> None:
+        """Waits on one event set until stop, or until a wait fails (then the set is rebuilt)."""
+        nv = self.nv
+        while not stop.is_set():
+            try:
+                data = nv.nvmlEventSetWait_v2(event_set, XID_WAIT_MS)
+            except nv.NVMLError_Timeout:
+                continue
+            except nv.NVMLError as exc:
+                error("nvmlEventSetWait")
+                log.warning(
+                    "XID event wait failed; rebuilding the event set", extra={"fields": {"error": str(exc)}}
+                )
+                return
+            if data.eventType & nv.nvmlEventTypeXidCriticalError:
+                gpu = self._by_handle.get(_handle_key(data.device))
+                if gpu is not None:
+                    record(gpu, int(data.eventData))
 
     def shutdown(self) -> None:
         try:
@@ -181,14 +244,16 @@ def _handle_key(handle: Any) -> int:
     return ctypes.cast(handle, ctypes.c_void_p).value or 0
 
 
-def _field_value(nv: Any, fv: Any) -> float:
-    member = {
-        getattr(nv, "NVML_VALUE_TYPE_DOUBLE", 0): "dVal",
-        getattr(nv, "NVML_VALUE_TYPE_UNSIGNED_INT", 1): "uiVal",
-        getattr(nv, "NVML_VALUE_TYPE_UNSIGNED_LONG", 2): "ulVal",
-        getattr(nv, "NVML_VALUE_TYPE_UNSIGNED_LONG_LONG", 3): "ullVal",
-        getattr(nv, "NVML_VALUE_TYPE_SIGNED_LONG_LONG", 4): "sllVal",
-        getattr(nv, "NVML_VALUE_TYPE_SIGNED_INT", 5): "siVal",
-        getattr(nv, "NVML_VALUE_TYPE_UNSIGNED_SHORT", 6): "usVal",
-    }.get(fv.valueType, "uiVal")
-    return getattr(fv.value, member)
+def memory_temp(nv: Any, fv: Any) -> int | None:
+    """Memory temperature from a field value, read as DCGM reads it: the unsigned integer, not
+    the member ``valueType`` names. A driver bug (r545) tags this integer field as a double, and
+    reading ``dVal`` then gives a denormal that truncates to 0 °C. The union is zero-filled by
+    ctypes, so ``ullVal`` equals the integer the driver wrote. A value over 200 is not a
+    temperature: if the tag says double and ``dVal`` is plausible, the driver did write a
+    double; otherwise the value is dropped (None)."""
+    value = int(fv.value.ullVal)
+    if value <= MEMORY_TEMP_MAX_C:
+        return value
+    if fv.valueType == getattr(nv, "NVML_VALUE_TYPE_DOUBLE", 0) and 0 < fv.value.dVal <= MEMORY_TEMP_MAX_C:
+        return round(fv.value.dVal)
+    return None

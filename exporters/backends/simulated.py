@@ -74,6 +74,7 @@ class SimulatedBackend:
     name = "simulated"
     may_block = False
     not_supported = (NotSupportedError,)
+    driver_version = ""  # no driver: no DCGM_FI_DRIVER_VERSION label (dcgm-exporter drops blanks)
 
     def __init__(
         self,
@@ -94,6 +95,7 @@ class SimulatedBackend:
         self._lock = threading.Lock()
         self._seed_text = f"{hostname}:{key}:{seed}"
         self._gpus: list[_Gpu] = []
+        self.failed: list = []
 
     def init(self) -> list[DeviceInfo]:
         now = self._clock()
