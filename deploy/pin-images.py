@@ -84,9 +84,12 @@ def _token(challenge: str, repo: str) -> str:
     return body.get("token") or body["access_token"]
 
 
-def registry_digest(name: str, tag: str, scheme: str = "https") -> str:
-    """The digest the registry serves for name:tag (the index's, for multi-platform images)."""
+def registry_digest(name: str, tag: str, scheme: str | None = None) -> str:
+    """The digest the registry serves for name:tag (the index's, for multi-platform images).
+    Plain HTTP for a registry on loopback, as Docker does; HTTPS everywhere else."""
     host, repo = split_name(name)
+    if scheme is None:
+        scheme = "http" if host.split(":")[0] in ("localhost", "127.0.0.1", "[::1]") else "https"
     url = f"{scheme}://{host}/v2/{repo}/manifests/{tag}"
     headers = {"Accept": ACCEPT}
     try:

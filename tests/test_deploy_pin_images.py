@@ -1,21 +1,28 @@
 """deploy/pin-images.py: it finds every pulled image (compose, the Dockerfile, the
 manifests, the overlays' `images:` entries), writes the digest beside the tag, keeps the
-files otherwise byte for byte, and says plainly what it could not resolve. No registry is
-reachable where inferwatch is developed: the rewriting is tested with a table of digests,
-and the registry protocol (HEAD with an index-first Accept, the bearer-token challenge)
-against a loopback HTTP server that answers the way the distribution spec says."""
+files otherwise byte for byte, and says plainly what it could not resolve. The public
+registries are out of reach here: the rewriting is tested with a table of digests; the
+registry protocol against a real registry on loopback (Debian's docker-registry, CNCF
+Distribution 2.8, holding a pushed two-platform index); and the bearer-token challenge,
+which that registry serves only with a token server of its own, against a small loopback
+server that answers the way the distribution spec says."""
 
 from __future__ import annotations
 
+import hashlib
 import importlib.util
+import json
 import shutil
 import subprocess
 import threading
+import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
+import httpx
 import pytest
 
+from inferwatch.net import free_port
 from tests.fixtures.deploy import ROOT, kubectl, load_all
 
 spec = importlib.util.spec_from_file_location("deploy_pin_images", ROOT / "deploy" / "pin-images.py")
@@ -178,3 +185,97 @@ def test_registry_protocol_with_the_token_challenge(monkeypatch: pytest.MonkeyPa
     finally:
         server.shutdown()
         server.server_close()
+
+
+# ---------------------------------------------------------------------------------------
+# Against a real registry: Debian's docker-registry (CNCF Distribution 2.8) on loopback
+# ---------------------------------------------------------------------------------------
+def _push(base: str, repo: str, tag: str, archs: tuple[str, ...] = ("amd64", "arm64")) -> str:
+    """Pushes an OCI image index (tiny, layer-less images, one per arch); returns its digest."""
+
+    def blob(data: bytes) -> dict:
+        digest = "sha256:" + hashlib.sha256(data).hexdigest()
+        start = httpx.post(f"{base}/v2/{repo}/blobs/uploads/")
+        assert start.status_code == 202, start.text
+        location = httpx.URL(base).join(start.headers["Location"])
+        done = httpx.put(
+            location.copy_merge_params({"digest": digest}),
+            content=data,
+            headers={"Content-Type": "application/octet-stream"},
+        )
+        assert done.status_code == 201, done.text
+        return {"mediaType": "application/vnd.oci.image.config.v1+json", "digest": digest, "size": len(data)}
+
+    def manifest(ref: str | None, body: dict, media_type: str) -> dict:
+        data = json.dumps(body).encode()
+        ref = ref or "sha256:" + hashlib.sha256(data).hexdigest()  # by its own digest
+        put = httpx.put(
+            f"{base}/v2/{repo}/manifests/{ref}", content=data, headers={"Content-Type": media_type}
+        )
+        assert put.status_code == 201, put.text
+        return {"mediaType": media_type, "digest": put.headers["Docker-Content-Digest"], "size": len(data)}
+
+    image = "application/vnd.oci.image.manifest.v1+json"
+    entries = []
+    for arch in archs:
+        config = blob(
+            json.dumps(
+                {"architecture": arch, "os": "linux", "rootfs": {"type": "layers", "diff_ids": []}}
+            ).encode()
+        )
+        m = manifest(None, {"schemaVersion": 2, "mediaType": image, "config": config, "layers": []}, image)
+        entries.append({**m, "platform": {"architecture": arch, "os": "linux"}})
+    index = "application/vnd.oci.image.index.v1+json"
+    return manifest(tag, {"schemaVersion": 2, "mediaType": index, "manifests": entries}, index)["digest"]
+
+
+@pytest.fixture(scope="module")
+def registry(tmp_path_factory: pytest.TempPathFactory) -> str:
+    exe = shutil.which("docker-registry")
+    assert exe, "docker-registry (Debian's CNCF Distribution) is missing: run scripts/bootstrap"
+    folder = tmp_path_factory.mktemp("registry")
+    port = free_port()
+    (folder / "config.yml").write_text(
+        f"version: 0.1\nlog: {{level: warn}}\nstorage: {{filesystem: {{rootdirectory: {folder / 'data'}}}}}\n"
+        f"http: {{addr: '127.0.0.1:{port}'}}\n"
+    )
+    proc = subprocess.Popen(
+        [exe, "serve", str(folder / "config.yml")], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE
+    )
+    base = f"http://127.0.0.1:{port}"
+    try:
+        for _ in range(100):
+            try:
+                if httpx.get(f"{base}/v2/", timeout=1).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            assert proc.poll() is None, proc.stderr.read().decode()
+            time.sleep(0.1)
+        yield f"127.0.0.1:{port}"
+    finally:
+        proc.terminate()
+        proc.wait(10)
+
+
+def test_the_index_digest_from_a_real_registry(registry: str, tree: Path) -> None:
+    digest = _push(f"http://{registry}", "inferwatch", "0.1.0")
+    assert pin.registry_digest(f"{registry}/inferwatch", "0.1.0") == digest  # the index's, not a platform's
+    with pytest.raises(pin.PinError, match="HTTP 404"):
+        pin.registry_digest(f"{registry}/inferwatch", "9.9.9")
+    # End to end: the overlays point at that registry, and one run pins them.
+    for kust in (tree / "deploy/kubernetes/overlays").rglob("kustomization.yaml"):
+        kust.write_text(kust.read_text().replace("registry.example.com", registry))
+    assert pin.main(["--image", f"{registry}/inferwatch:0.1.0"], root=tree) == 0
+    overlay = tree / "deploy/kubernetes/overlays/example-hpa"
+    proc = subprocess.run([kubectl(), "kustomize", str(overlay)], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert f"image: {registry}/inferwatch:0.1.0@{digest}" in proc.stdout
+    assert pin.main(["--check", "--image", f"{registry}/inferwatch:0.1.0"], root=tree) == 0
+    # Re-pushed under the same tag: --check notices, and a run moves the pin.
+    newer = _push(f"http://{registry}", "inferwatch", "0.1.0", archs=("amd64",))
+    assert newer != digest
+    assert pin.main(["--check", "--image", f"{registry}/inferwatch:0.1.0"], root=tree) == 1
+    assert pin.main(["--image", f"{registry}/inferwatch:0.1.0"], root=tree) == 0
+    kust = (overlay / "models" / "kustomization.yaml").read_text()
+    assert f"digest: {newer}" in kust and digest not in kust
