@@ -69,6 +69,7 @@ def test_no_gpu_override_drops_the_reservations_and_simulates_gpus() -> None:
     assert not gpu_reservation(services["triton"]) and not gpu_reservation(services["gpu-exporter"])
     args = build_parser().parse_args(services["gpu-exporter"]["command"])
     assert args.backend == "simulated"
+    assert "pid" not in services["gpu-exporter"]  # nothing to attribute, so no host PID namespace
 
 
 def test_every_mounted_file_exists(compose_model: dict) -> None:
