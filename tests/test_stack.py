@@ -254,3 +254,30 @@ def test_a_ready_timeout_that_is_not_positive_is_a_usage_error(tmp_path: Path) -
     assert proc.returncode == 2
     assert "--ready-timeout must be above 0 seconds" in one_line_error(proc)
     assert_nothing_started(tmp_path)
+
+
+def test_the_stack_modules_import_one_way() -> None:
+    """No import circles among inferwatch/stack/ (function-level imports included): the
+    command module sits on top, the scenario below it, the supervisor at the bottom."""
+    import ast
+    import graphlib
+
+    package = ROOT / "inferwatch" / "stack"
+    names = {f"inferwatch.stack.{p.stem}" for p in package.glob("*.py") if p.stem != "__init__"}
+    graph: dict[str, set[str]] = {}
+    for name in names:
+        tree = ast.parse((package / f"{name.rsplit('.', 1)[1]}.py").read_text())
+        deps = set()
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Import):
+                deps |= {a.name for a in node.names}
+            elif isinstance(node, ast.ImportFrom) and node.module:
+                deps |= {node.module, *(f"{node.module}.{a.name}" for a in node.names)}
+        graph[name] = (deps & names) - {name}
+    graphlib.TopologicalSorter(graph).prepare()  # raises CycleError on a circle
+    assert all("inferwatch.stack.cli" not in deps for deps in graph.values())
+    assert graph["inferwatch.stack.demo"] <= {
+        "inferwatch.stack.core",
+        "inferwatch.stack.observe",
+        "inferwatch.stack.timing",
+    }
