@@ -23,6 +23,14 @@ answer within ``--request-timeout``, and one fixed 503 overload answer past
 request (counted as 499, client_error). Once an answer has started, a failure can only
 close the connection.
 
+Replays: a request goes again on a fresh upstream connection only when none of it reached
+the server (its write to a pooled connection failed at once); safe methods (GET, HEAD,
+OPTIONS) also when a pooled connection closed before any answer byte.
+
+Drain (``begin_drain`` at SIGTERM, ``stop`` when the listener closes): every answer says
+``Connection: close``; connections accepted meanwhile are served like any other; idle ones
+close after ``DRAIN_IDLE_GRACE``.
+
 Backpressure: a client's reading pauses while the upstream connection's write buffer is
 above the high-water mark (or while it connects, or while a pipelined request waits), and
 an upstream's reading pauses while the client is not draining its answer.

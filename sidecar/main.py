@@ -7,14 +7,21 @@ and, when ``sidecar.grpc_proxy`` exists and ``--grpc-port`` is not 0, the gRPC p
 (``sidecar.grpc_proxy.serve``). Both proxies share the contract::
 
     server = await serve(config, telemetry)   # listening when it returns
+    server.begin_drain()                      # optional: SIGTERM came, still accepting
     await server.stop(grace)                  # stop accepting, drain in-flight up to grace s
 
 A background task reads the upstream's repository index (``POST /v2/repository/index``)
 every ``--model-refresh-interval`` seconds, and soon after a request names a model the
 sidecar does not know, so the ``model`` label follows what the upstream serves.
 
-SIGTERM/SIGINT: ``/readyz`` turns 503, the proxies stop accepting and drain what is in
-flight (at most ``--drain-timeout``), spans are flushed, the process exits 0.
+``/readyz`` is 200 once the proxies listen, the upstream answered ``GET /v2/health/ready``
+and its index has been read (``Readiness``); 503 before and from SIGTERM on.
+
+SIGTERM/SIGINT: ``/readyz`` turns 503 and each proxy's ``begin_drain()`` (when it has one)
+makes its answers close their connections; the listeners keep accepting for
+``--drain-delay`` seconds (a second signal cuts that short), then the proxies stop accepting
+and drain what is in flight (at most ``--drain-timeout``), spans are flushed, the process
+exits 0.
 """
 
 from __future__ import annotations
