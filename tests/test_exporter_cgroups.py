@@ -72,6 +72,15 @@ CASES = {
     ),
     "v2 cgroupfs guaranteed": (f"0::/kubepods/pod{UID}/{CID}\n", Owner(UID, CID, "")),
     "v2 cgroupfs CRI-O": (f"0::/kubepods/besteffort/pod{UID}/crio-{CID}\n", Owner(UID, CID, "cri-o")),
+    # defect 8: cgroupfs, private cgroup namespace, reader and workload in different QoS classes
+    "v2 cgroupfs seen from another QoS class": (
+        f"0::/../../burstable/pod{UID}/{CID}\n",
+        Owner(UID, CID, ""),
+    ),
+    "v2 cgroupfs CRI-O seen from another QoS class": (
+        f"0::/../../besteffort/pod{UID}/crio-{CID}\n",
+        Owner(UID, CID, "cri-o"),
+    ),
     "v1 systemd containerd (all hierarchies)": (V1_SYSTEMD_CONTAINERD, Owner(UID, CID, "containerd")),
     "v1 cgroupfs (containerd or dockershim)": (V1_CGROUPFS, Owner(UID, CID, "")),
     "v2 pod cgroup, no container": (
