@@ -21,7 +21,7 @@ import hpack
 import pytest
 
 from inferwatch.logs import JsonFormatter
-from sidecar import grpc_relay
+from sidecar import grpc_relay_conn
 from sidecar.h2 import (
     ACK,
     CONTINUATION,
@@ -275,14 +275,14 @@ def test_a_fault_inside_the_relay_is_internal_counted_and_logged(
     loop, triton, served, monkeypatch, json_log, caplog
 ) -> None:
     p = InProcessProxy(loop, "relay", triton.grpc_url)
-    original = grpc_relay._Conn._client_data
+    original = grpc_relay_conn._Conn._client_data
 
     def broken(self, *args, **kwargs):
         raise RuntimeError("injected relay fault")
 
     try:
         p.serve_models(served)
-        monkeypatch.setattr(grpc_relay._Conn, "_client_data", broken)
+        monkeypatch.setattr(grpc_relay_conn._Conn, "_client_data", broken)
         with caplog.at_level(logging.ERROR, logger="asyncio"), grpc.insecure_channel(p.url) as channel:
             with pytest.raises(grpc.RpcError) as info:
                 channel.unary_unary(INFER)(raw_infer_request("ranker", "1"), timeout=20)
@@ -296,7 +296,7 @@ def test_a_fault_inside_the_relay_is_internal_counted_and_logged(
         assert not [r for r in caplog.records if r.name == "asyncio"], "asyncio's own error print"
 
         # The relay is unharmed: the next call (a new connection) passes.
-        monkeypatch.setattr(grpc_relay._Conn, "_client_data", original)
+        monkeypatch.setattr(grpc_relay_conn._Conn, "_client_data", original)
         with grpc.insecure_channel(p.url) as channel:
             assert channel.unary_unary(INFER)(raw_infer_request("ranker", "1"), timeout=20)
         assert p.count("ranker", "OK", "success", "1") == 1
