@@ -381,7 +381,7 @@ def test_sidecar_is_a_native_sidecar_in_front_of_the_model_server(
     for name, docs in overlay_builds.items():
         sc = sidecar_of(docs, "triton")
         assert sc["restartPolicy"] == "Always", name  # a native sidecar (Kubernetes 1.29+)
-        assert sc["image"].endswith(f":{__version__}")
+        assert re.search(rf":{re.escape(__version__)}(@sha256:[0-9a-f]{{64}})?$", sc["image"]), sc["image"]
         # Its startup probe gates the model container's start, so it must not need Triton.
         assert sc["startupProbe"]["httpGet"]["path"] == "/healthz"
         assert sc["readinessProbe"]["httpGet"]["path"] == "/readyz"
@@ -463,11 +463,13 @@ def test_images_are_pinned(overlay_builds: dict[str, list[dict]]) -> None:
     for docs in overlay_builds.values():
         for workload in [*of_kind(docs, "DaemonSet"), *of_kind(docs, "Deployment")]:
             for c in containers(workload):
-                image = c["image"]
-                assert "@sha256:" in image or re.search(r":[\w][\w.-]*$", image.rsplit("/", 1)[-1]), image
-                assert not image.endswith(":latest"), image
-                if "inferwatch" in image:
-                    assert image.endswith(f":{__version__}"), image
+                # name:tag, and the digest beside it once deploy/pin-images.py has run.
+                m = re.fullmatch(
+                    r"(?P<name>[\w./:-]+?):(?P<tag>[\w][\w.-]*)(@sha256:[0-9a-f]{64})?", c["image"]
+                )
+                assert m and m["tag"] != "latest", c["image"]
+                if "inferwatch" in m["name"]:
+                    assert m["tag"] == __version__, c["image"]
     (triton,) = pod_spec(one(overlay_builds["example"], "Deployment", "triton"))["containers"]
     assert triton["image"] == "nvcr.io/nvidia/tritonserver:24.10-py3"  # Triton 2.51
 
