@@ -111,7 +111,7 @@ def test_the_committed_files_carry_the_digests_recorded_in_the_readme() -> None:
         for line in path.read_text().splitlines():
             if (m := pin.LINE.match(line)) and (ref := pin.REF.fullmatch(m["ref"])) and ref["digest"]:
                 pinned[f"{ref['name']}:{ref['tag']}"] = ref["digest"]
-    assert set(pinned) == {
+    assert set(pinned) >= {
         "prom/prometheus:v3.5.0",
         "prom/alertmanager:v0.28.1",
         "grafana/grafana:12.1.1",
@@ -119,7 +119,9 @@ def test_the_committed_files_carry_the_digests_recorded_in_the_readme() -> None:
     }
     for ref, digest in pinned.items():
         assert f"`{ref}`" in readme and digest in readme, ref
-    assert "nvcr.io/nvidia/tritonserver:24.10-py3" in readme
+    # What is not pinned is named in the README as not established.
+    if "nvcr.io/nvidia/tritonserver:24.10-py3" not in pinned:
+        assert "**Not established:** `nvcr.io/nvidia/tritonserver:24.10-py3`" in readme
 
 
 @pytest.mark.parametrize(
