@@ -380,12 +380,13 @@ def sigterm_rounds(
                 wait_for(lambda: all(load.answered() >= 10 for load in loads), 60, "traffic to flow")
                 os.kill(sc.proc.pid, signal.SIGTERM)
 
-                # The Service's view: the endpoint goes once /readyz says 503.
+                # The Service's view: the endpoint goes once /readyz says 503 (which it does
+                # while the listener still accepts, for --drain-delay).
                 def not_ready() -> bool:
                     try:
                         return httpx.get(sc.ready_url, timeout=1).status_code == 503
                     except httpx.HTTPError:
-                        return True
+                        return False
 
                 wait_for(not_ready, 10, "/readyz to say 503")
                 gone.set()
