@@ -81,6 +81,10 @@ REPLAY_LIMIT = 64 * 1024  # a request up to this size may be retried once on a s
 SAFE_METHODS = frozenset({b"GET", b"HEAD", b"OPTIONS"})
 # During a drain, a connection idle this long (no request started) is closed.
 DRAIN_IDLE_GRACE = 1.0
+# A pooled upstream connection idle this long is closed by the sweeper: before the 5 s
+# keep-alive timeout of uvicorn (vLLM's server) and Node, so such an upstream does not close
+# a connection at the moment a request is written to it (a POST then could not be replayed).
+POOL_IDLE_SECONDS = 4.0
 SWEEP_INTERVAL = 0.25
 
 # Built once at import: status lines and status strings for every code.
@@ -412,6 +416,7 @@ class UpstreamConn(asyncio.Protocol):
         "headers",
         "keepalive",
         "parser",
+        "pooled_at",
         "proxy",
         "reused",
         "transport",
@@ -419,6 +424,7 @@ class UpstreamConn(asyncio.Protocol):
 
     def __init__(self, proxy: HttpProxy) -> None:
         self.proxy = proxy
+        self.pooled_at = 0  # the sweeper's tick when it last went into the pool
         self.transport: asyncio.Transport = None  # type: ignore[assignment]
         self.parser = httptools.HttpResponseParser(self)
         self.ex: Exchange | None = None
@@ -872,6 +878,7 @@ class HttpProxy:
         self.draining = False  # answers close their connections (SIGTERM arrived)
         self.stopped = False  # the drain is over: nothing goes back to the pool
         self.idle_until = 0.0  # once the listener closed: when idle connections close
+        self.ticks = 0  # sweeper rounds so far: a clock for the pool that costs nothing per request
         self.server: asyncio.AbstractServer | None = None
         self._routes: dict[bytes, tuple[str, str, str]] = {}
         self._sweeper: asyncio.Task | None = None
@@ -917,6 +924,7 @@ class HttpProxy:
             conn.transport.close()
             return
         conn.transport.resume_reading()
+        conn.pooled_at = self.ticks
         self.pool.append(conn)
 
     async def connect(self) -> UpstreamConn:
@@ -944,8 +952,13 @@ class HttpProxy:
             )
 
     async def _sweep(self) -> None:
+        idle_ticks = round(POOL_IDLE_SECONDS / SWEEP_INTERVAL)
         while True:
             await asyncio.sleep(SWEEP_INTERVAL)
+            self.ticks += 1
+            pool = self.pool  # LIFO: the longest idle are at the bottom
+            while pool and self.ticks - pool[0].pooled_at >= idle_ticks:
+                pool.pop(0).transport.close()
             now = self.loop.time()
             for conn in list(self.conns):
                 try:
