@@ -22,9 +22,13 @@ text = urllib.request.urlopen(os.environ["STANDIN_URL"] + "/metrics").read().dec
 v = {{}}
 for fam in text_string_to_metric_families(text):
     for s in fam.samples:
+        if "UUID" in s.labels and s.name.startswith("DCGM_FI_DEV_GPU_UTIL"):
+            v.setdefault(s.labels["gpu"], {{}}).update(
+                uuid=s.labels["UUID"], name=s.labels["modelName"], bus=s.labels["pci_bus_id"],
+                driver=s.labels.get("DCGM_FI_DRIVER_VERSION", "[N/A]"),
+            )
         if "UUID" in s.labels:
-            d = v.setdefault(s.labels["gpu"], {{"uuid": s.labels["UUID"], "name": s.labels["modelName"]}})
-            d[s.name] = s.value
+            v.setdefault(s.labels["gpu"], {{}})[s.name] = s.value
 skew = float(os.environ.get("STANDIN_SKEW_MIB", "0"))
 arg = sys.argv[1]
 if arg.startswith("--query-compute-apps"):
@@ -34,6 +38,8 @@ smi = {{
     "index": lambda g, d: g,
     "uuid": lambda g, d: d["uuid"],
     "name": lambda g, d: d["name"],
+    "pci.bus_id": lambda g, d: d["bus"],
+    "driver_version": lambda g, d: d["driver"],
     "memory.total": lambda g, d: int(d["{total}"] / 2**20 + skew),
     "memory.used": lambda g, d: int(d["{used}"]),
     "memory.free": lambda g, d: int(d["{free}"]),
@@ -99,7 +105,19 @@ def test_check_agrees_with_an_nvidia_smi_that_reports_the_same_gpus(
     assert proc.returncode == 0, proc.stdout + proc.stderr
     lines = proc.stdout.splitlines()
     assert lines[0].split() == ["gpu", "figure", "exporter", "nvidia-smi"]
-    for figure in ("FB total (MiB)", "FB reserved (MiB)", "power (W)", "energy grows (mJ)", "modelName"):
+    for figure in (
+        "FB total (MiB)",
+        "FB reserved (MiB)",
+        "used+free+reserved (MiB)",
+        "power (W)",
+        "energy (mJ) vs power",
+        "label device",
+        "label modelName",
+        "label pci_bus_id",
+        "label Hostname",
+        "label names",
+        "process owners",
+    ):
         assert sum(figure in line and line.rstrip().endswith("ok") for line in lines) == 2, figure
     assert "rows differing: 0" in proc.stdout
 
@@ -122,3 +140,45 @@ def test_check_without_nvidia_smi_says_so(tmp_path: Path) -> None:
     )
     assert proc.returncode == 2
     assert "nvidia-smi not found" in proc.stderr
+
+
+IDENTITY = (
+    'gpu="0",UUID="GPU-a",pci_bus_id="00000000:9A:00.0",device="{device}",'
+    'modelName="NVIDIA H100 80GB HBM3",Hostname="node-a",DCGM_FI_DRIVER_VERSION="580.95.05"'
+)
+SERIES = (
+    "# TYPE DCGM_FI_DEV_GPU_UTIL gauge\n"
+    f"DCGM_FI_DEV_GPU_UTIL{{{{{IDENTITY}}}}} 87\n"
+    "# TYPE DCGM_FI_DEV_XID_ERRORS gauge\n"
+    f'DCGM_FI_DEV_XID_ERRORS{{{{{IDENTITY},err_code="79",err_msg="{{msg}}"{{extra}}}}}} 79\n'
+)
+SMI_ROW = {
+    "index": "0",
+    "uuid": "GPU-a",
+    "name": "NVIDIA H100 80GB HBM3",
+    "pci.bus_id": "00000000:9A:00.0",
+    "driver_version": "580.95.05",
+}
+
+
+def label_rows(device: str = "nvidia0", msg: str = "GPU has fallen off the bus", extra: str = "") -> dict:
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from exporters.gpu_check import Report, check_labels
+
+    text = SERIES.format(device=device, msg=msg, extra=extra)
+    fams = {f.name: f for f in text_string_to_metric_families(text)}
+    report = Report()
+    check_labels(report, SMI_ROW, fams, "node-a")
+    return {r.figure: r.ok for r in report.rows}
+
+
+def test_label_check_passes_dcgm_exporters_labels() -> None:
+    assert all(label_rows().values()), label_rows()
+
+
+def test_label_check_catches_the_minor_number_in_device_a_wrong_err_msg_and_stray_labels() -> None:
+    rows = label_rows(device="nvidia4")  # what the exporter wrote before issue 20
+    assert rows["label device"] is False and rows["label gpu"] is True
+    assert label_rows(msg="Unknown Error")["XID err_code/err_msg"] is False
+    assert label_rows(extra=',minor="4"')["label names"] is False
