@@ -28,7 +28,9 @@ from sidecar.h2 import (
     DATA,
     END_HEADERS,
     END_STREAM,
+    GOAWAY,
     HEADERS,
+    MAX_STREAM_ID,
     PING,
     PREFACE,
     REFUSED_STREAM,
@@ -69,47 +71,81 @@ def grpc_message(body: bytes) -> bytes:
     return b"\x00" + len(body).to_bytes(4, "big") + body
 
 
-def read_frames(sock: socket.socket, want_streams: set[int], timeout: float) -> dict[int, dict[str, str]]:
-    """Read until each stream in ``want_streams`` has ended; return its last header block,
-    decoded (the trailers). Acknowledges SETTINGS and PING as a client must."""
-    decoder = hpack.Decoder()
-    buf = b""
-    blocks: dict[int, bytes] = {}
-    done: dict[int, dict[str, str]] = {}
-    ended: set[int] = set()
-    sock.settimeout(timeout)
-    deadline = time.monotonic() + timeout
-    while not want_streams <= ended:
-        if time.monotonic() > deadline:
-            raise AssertionError(f"streams {want_streams - ended} not ended after {timeout}s")
-        chunk = sock.recv(65536)
-        if not chunk:
-            raise AssertionError(f"connection closed; ended {ended}, trailers {done}")
-        buf += chunk
-        while len(buf) >= 9:
-            length = int.from_bytes(buf[:3], "big")
-            if len(buf) < 9 + length:
-                break
-            ftype, flags = buf[3], buf[4]
-            sid = int.from_bytes(buf[5:9], "big") & 0x7FFFFFFF
-            payload, buf = buf[9 : 9 + length], buf[9 + length :]
+class H2Client:
+    """A raw HTTP/2 client on one socket: acknowledges SETTINGS and PING as a client must, and
+    records each stream's last header block (decoded), which streams ended, and GOAWAYs."""
+
+    def __init__(self, url: str) -> None:
+        host, port = url.rsplit(":", 1)
+        self.sock = socket.create_connection((host, int(port)))
+        self.decoder = hpack.Decoder()
+        self.buf = b""
+        self.blocks: dict[int, bytes] = {}
+        self.trailers: dict[int, dict[str, str]] = {}
+        self.ended: set[int] = set()
+        self.goaways: list[int] = []  # last-stream ids, in order
+        self.types: list[int] = []  # every frame's type, in order
+
+    def send(self, data: bytes) -> None:
+        self.sock.sendall(data)
+
+    def close(self) -> None:
+        self.sock.close()
+
+    def until(self, done, timeout: float, what: str) -> None:
+        deadline = time.monotonic() + timeout
+        while not done():
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise AssertionError(f"{what} not reached after {timeout}s: {self.trailers} {self.goaways}")
+            self.sock.settimeout(remaining)
+            chunk = self.sock.recv(65536)
+            if not chunk:
+                raise AssertionError(f"connection closed before {what}: {self.trailers} {self.goaways}")
+            self.buf += chunk
+            self._frames()
+
+    def _frames(self) -> None:
+        while len(self.buf) >= 9:
+            length = int.from_bytes(self.buf[:3], "big")
+            if len(self.buf) < 9 + length:
+                return
+            ftype, flags = self.buf[3], self.buf[4]
+            sid = int.from_bytes(self.buf[5:9], "big") & 0x7FFFFFFF
+            payload, self.buf = self.buf[9 : 9 + length], self.buf[9 + length :]
+            self.types.append(ftype)
             if ftype == SETTINGS and not flags & ACK:
-                sock.sendall(frame(SETTINGS, ACK, 0))
+                self.sock.sendall(frame(SETTINGS, ACK, 0))
             elif ftype == PING and not flags & ACK:
-                sock.sendall(frame(PING, ACK, 0, payload))
+                self.sock.sendall(frame(PING, ACK, 0, payload))
             elif ftype in (HEADERS, CONTINUATION):
-                blocks[sid] = blocks.get(sid, b"") + payload
+                self.blocks[sid] = self.blocks.get(sid, b"") + payload
                 if flags & END_HEADERS:
-                    fields = {k.decode(): v.decode() for k, v in decoder.decode(blocks.pop(sid), raw=True)}
-                    done[sid] = fields
+                    block = self.blocks.pop(sid)
+                    self.trailers[sid] = {
+                        k.decode(): v.decode() for k, v in self.decoder.decode(block, raw=True)
+                    }
                 if flags & END_STREAM:
-                    ended.add(sid)
+                    self.ended.add(sid)
             elif ftype == DATA and flags & END_STREAM:
-                ended.add(sid)
+                self.ended.add(sid)
             elif ftype == RST_STREAM:
-                ended.add(sid)
-                done.setdefault(sid, {})["rst"] = str(int.from_bytes(payload[:4], "big"))
-    return done
+                self.ended.add(sid)
+                self.trailers.setdefault(sid, {})["rst"] = str(int.from_bytes(payload[:4], "big"))
+            elif ftype == GOAWAY:
+                self.goaways.append(int.from_bytes(payload[:4], "big") & MAX_STREAM_ID)
+
+
+def call_headers(url: str) -> list[tuple[str, str]]:
+    return [
+        (":method", "POST"),
+        (":scheme", "http"),
+        (":path", INFER),
+        (":authority", url),
+        ("te", "trailers"),
+        ("content-type", "application/grpc"),
+        ("x-team", "search"),
+    ]
 
 
 def test_blocks_sent_before_the_settings_exchange_are_edited_and_limited(loop, triton, served) -> None:
@@ -121,25 +157,13 @@ def test_blocks_sent_before_the_settings_exchange_are_edited_and_limited(loop, t
     try:
         p.serve_models(served)
         encoder = hpack.Encoder()  # dynamic table on (4096 bytes), as every client starts
-        host, port = p.url.rsplit(":", 1)
-
-        def call_headers() -> list[tuple[str, str]]:
-            return [
-                (":method", "POST"),
-                (":scheme", "http"),
-                (":path", INFER),
-                (":authority", p.url),
-                ("te", "trailers"),
-                ("content-type", "application/grpc"),
-                ("x-team", "search"),
-            ]
-
-        first = encoder.encode(call_headers())
-        second = encoder.encode(call_headers())  # refers to the first block's table entries
+        first = encoder.encode(call_headers(p.url))
+        second = encoder.encode(call_headers(p.url))  # refers to the first block's table entries
         assert len(second) < len(first) / 2
         body = grpc_message(raw_infer_request("ranker", "1"))
-        with socket.create_connection((host, int(port))) as sock:
-            sock.sendall(
+        client = H2Client(p.url)
+        try:
+            client.send(
                 PREFACE
                 + frame(SETTINGS, 0, 0)
                 + frame(HEADERS, END_HEADERS, 1, first)
@@ -148,8 +172,11 @@ def test_blocks_sent_before_the_settings_exchange_are_edited_and_limited(loop, t
                 + frame(DATA, END_STREAM, 3, body)
             )
             started = time.monotonic()
-            trailers = read_frames(sock, {1, 3}, timeout=20)
+            client.until(lambda: {1, 3} <= client.ended, 20, "both calls answered")
             elapsed = time.monotonic() - started
+        finally:
+            client.close()
+        trailers = client.trailers
         assert trailers[3]["grpc-status"] == "8", trailers  # RESOURCE_EXHAUSTED: over the limit
         assert trailers[1]["grpc-status"] == "4", trailers  # DEADLINE_EXCEEDED by Triton
         assert elapsed < 2.5  # the sidecar's 0.8 s, not the model's 3 s
@@ -159,6 +186,79 @@ def test_blocks_sent_before_the_settings_exchange_are_edited_and_limited(loop, t
     finally:
         fault(triton.state_dir, "clear", "--model", "ranker")
         p.close()
+
+
+def test_drain_serves_calls_opened_before_goaway_and_names_the_last(loop, triton, served) -> None:
+    """stop(): a GOAWAY naming the highest possible stream, then one naming the last stream the
+    relay took; that call is served to the end, a later one is refused unprocessed (not counted)."""
+    fault(triton.state_dir, "set", "--model", "ranker", "--version", "1", "--extra-latency-ms", "1500")
+    p = InProcessProxy(loop, "relay", triton.grpc_url)
+    encoder = hpack.Encoder()
+    body = grpc_message(raw_infer_request("ranker", "1"))
+    client = H2Client(p.url)
+    try:
+        p.serve_models(served)
+        client.send(
+            PREFACE
+            + frame(SETTINGS, 0, 0)
+            + frame(HEADERS, END_HEADERS, 1, encoder.encode(call_headers(p.url)))
+            + frame(DATA, END_STREAM, 1, body)
+        )
+        wait_for(lambda: p.in_flight() == 1, what="the call in flight")
+        stopping = asyncio.run_coroutine_threadsafe(p.proxy.stop(20), loop)
+        client.until(lambda: len(client.goaways) == 2, 10, "two GOAWAYs")
+        assert client.goaways == [MAX_STREAM_ID, 1]
+        client.send(
+            frame(HEADERS, END_HEADERS, 3, encoder.encode(call_headers(p.url)))
+            + frame(DATA, END_STREAM, 3, body)
+        )
+        client.until(lambda: {1, 3} <= client.ended, 20, "both calls ended")
+        assert client.trailers[3] == {"rst": str(REFUSED_STREAM)}
+        assert client.trailers[1]["grpc-status"] == "0"
+        stopping.result(20)
+        assert p.counts() == {("ranker", "1", "OK", "success"): 1}
+    finally:
+        client.close()
+        fault(triton.state_dir, "clear", "--model", "ranker")
+        p.close()
+
+
+def test_a_goaway_never_precedes_the_servers_settings(loop, served) -> None:
+    """SIGTERM while a fresh connection still waits for the upstream's SETTINGS (an upstream slow
+    to greet): the client's first frame is still the server's SETTINGS, the GOAWAYs follow it (a
+    GOAWAY first is a broken connection to a gRPC client)."""
+
+    async def slow_greeting(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await asyncio.sleep(0.5)
+        writer.write(frame(SETTINGS, 0, 0))
+        while await reader.read(65536):
+            pass
+        writer.close()
+
+    upstream = asyncio.run_coroutine_threadsafe(
+        asyncio.start_server(slow_greeting, "127.0.0.1", 0), loop
+    ).result(10)
+    p = InProcessProxy(loop, "relay", f"127.0.0.1:{upstream.sockets[0].getsockname()[1]}")
+    p.serve_models(served)
+    client = H2Client(p.url)
+    try:
+        client.send(
+            PREFACE
+            + frame(SETTINGS, 0, 0)
+            + frame(HEADERS, END_HEADERS, 1, hpack.Encoder().encode(call_headers(p.url)))
+            + frame(DATA, END_STREAM, 1, grpc_message(raw_infer_request("ranker", "1")))
+        )
+        wait_for(lambda: p.in_flight() == 1, what="the call taken")
+        # The drain waits up to 3 s for the call (this upstream never answers it).
+        stopping = asyncio.run_coroutine_threadsafe(p.proxy.stop(3), loop)
+        client.until(lambda: len(client.goaways) == 2, 10, "two GOAWAYs")
+        assert client.types[0] == SETTINGS, client.types
+        assert client.goaways == [MAX_STREAM_ID, 1]
+        stopping.result(10)
+    finally:
+        client.close()
+        p.close()
+        loop.call_soon_threadsafe(upstream.close)
 
 
 class RefusingFront:
