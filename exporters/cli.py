@@ -37,7 +37,9 @@ def register(sub: argparse._SubParsersAction) -> None:
         choices=BACKENDS,
         default="auto",
         help="nvml: read GPUs through NVML, and keep retrying if it does not start; simulated: "
-        "virtual GPUs; auto: NVML if it starts, else simulated (default: %(default)s)",
+        "virtual GPUs; auto: NVML, and simulated GPUs only on a host with no NVIDIA library and no "
+        "NVIDIA driver (on a host with a driver a failing NVML is reported, never simulated) "
+        "(default: %(default)s)",
     )
     p.add_argument(
         "--gpus", type=int, default=1, help="simulated backend: number of GPUs (default: %(default)s)"
@@ -63,14 +65,15 @@ def register(sub: argparse._SubParsersAction) -> None:
         "--scrape-timeout",
         type=float,
         default=5.0,
-        help="seconds a scrape waits for the GPUs; a GPU not read by then is left out and counted "
-        "as a timeout error (default: %(default)s)",
+        help="seconds a scrape waits for the GPUs, and a per-process listing for each GPU; a GPU "
+        "not read by then is left out and counted as a timeout error (default: %(default)s)",
     )
     p.add_argument(
         "--proc-root",
         default="/proc",
-        help="where to read /proc/<pid>/cgroup of GPU processes; in a container mount the host's "
-        "/proc or run with hostPID (default: %(default)s)",
+        help="where to read /proc/<pid>/cgroup of GPU processes. Per-pod memory needs the host's "
+        "PID namespace (hostPID: true): NVML lists no processes outside it, whatever /proc is "
+        "mounted (default: %(default)s)",
     )
     p.add_argument(
         "--kubelet-log-dir",
@@ -96,7 +99,8 @@ def register(sub: argparse._SubParsersAction) -> None:
         "--nvml-retry-max",
         type=float,
         default=60.0,
-        help="with --backend nvml, the longest wait between attempts to start NVML (default: %(default)s)",
+        help="the longest wait between attempts to start NVML, or to re-initialize it while a GPU "
+        "is down (default: %(default)s)",
     )
     p.add_argument(
         "--log-level",

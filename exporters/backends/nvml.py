@@ -145,8 +145,8 @@ class NvmlBackend:
         return nv.nvmlDeviceGetMemoryInfo(h)
 
     def _gpu_temp(self, h: Any) -> int:
-        # nvmlDeviceGetTemperature is deprecated for removal; V is the versioned call that
-        # replaces it (driver r570 on). Older drivers do not export it: fall back.
+        # nvmlDeviceGetTemperature is marked for removal (CUDA 14); V is the versioned call that
+        # replaces it. Drivers older than V do not export it: NVML says FunctionNotFound.
         nv = self.nv
         versioned = getattr(nv, "nvmlDeviceGetTemperatureV", None)
         if versioned is not None:
