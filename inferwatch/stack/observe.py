@@ -70,7 +70,12 @@ def parse_pages(data: object, now: float) -> list[Page]:
         first = _epoch(item.get("first_received_at")) or now
         out.append(
             Page(
-                key=f"{item.get('receiver', '')}|{item.get('fingerprint', '')}|{item.get('starts_at', '')}",
+                # The pager's id names one occurrence: a page that fires again after it resolved
+                # has the same receiver, fingerprint and startsAt but a new id.
+                key=str(
+                    item.get("id")
+                    or f"{item.get('receiver', '')}|{item.get('fingerprint', '')}|{item.get('starts_at', '')}"
+                ),
                 alertname=str(item.get("alertname") or labels.get("alertname", "")),
                 severity=str(item.get("severity") or labels.get("severity", "")),
                 labels=labels,
