@@ -8,7 +8,7 @@ On a machine with an NVIDIA GPU and driver:
 
 What one run proves on a healthy host, per GPU:
 - labels by dcgm-exporter's rules: ``gpu`` is nvidia-smi's index, ``device`` is
-  ``nvidia<index>``, ``UUID``, ``modelName``, ``pci_bus_id``, ``DCGM_FI_DRIVER_VERSION`` and
+  ``nvidia<index>``, ``UUID``, ``modelName``, ``pci_bus_id``, the driver-version label and
   ``Hostname`` as nvidia-smi and the host give them, the same on every dcgm series, no other
   label names; ``err_code``/``err_msg`` on the XID gauge;
 - each field against ``nvidia-smi --query-gpu`` with tolerances in MiB for memory (not

@@ -74,7 +74,7 @@ class SimulatedBackend:
     name = "simulated"
     may_block = False
     not_supported = (NotSupportedError,)
-    driver_version = ""  # no driver: no DCGM_FI_DRIVER_VERSION label (dcgm-exporter drops blanks)
+    driver_version = ""  # no driver: no driver-version label (dcgm-exporter drops blanks)
 
     def __init__(
         self,
