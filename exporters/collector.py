@@ -397,6 +397,8 @@ class GpuSource:
 
     def _spawn(self, target: Callable[[], None], name: str) -> None:
         t = threading.Thread(target=target, name=name, daemon=True)
+        # each re-initialization starts an event reader: forget the ones that ended
+        self._threads = [x for x in self._threads if x.is_alive()]
         self._threads.append(t)
         t.start()
 

@@ -193,6 +193,23 @@ def test_5_xid_79_on_one_gpu_does_not_blind_the_others(monkeypatch: pytest.Monke
         assert by_gpu(exp.scrape(), c.GPU_UP.name)["1"] == 0  # and the lost GPU is reported down
 
 
+def test_5_gpus_without_xid_events_end_the_reader_instead_of_retrying() -> None:
+    import threading
+
+    nvml = FakeNvml(gpus=2)
+    nvml.not_supported = {("nvmlDeviceRegisterEvents", 0), ("nvmlDeviceRegisterEvents", 1)}
+    backend = NvmlBackend(nvml)
+    backend.init()
+    calls: list[str] = []
+    done = threading.Event()
+    reader = threading.Thread(
+        target=lambda: (backend.watch_xids(threading.Event(), lambda g, x: None, calls.append), done.set())
+    )
+    reader.start()
+    assert done.wait(10), "the reader kept retrying GPUs that have no XID events"
+    assert calls == [] and nvml.calls.count("nvmlEventSetCreate") == 1
+
+
 # -- 6. recovery, truthful health, NOT_SUPPORTED that comes back, per-GPU memory v2 ---------------
 def test_6_a_driver_reload_is_reported_then_recovered() -> None:
     nvml = FakeNvml(gpus=2)

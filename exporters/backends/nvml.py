@@ -179,7 +179,9 @@ class NvmlBackend:
         while not stop.is_set():
             event_set = nv.nvmlEventSetCreate()
             try:
-                registered = self._register(event_set, error)
+                registered, failed = self._register(event_set, error)
+                if not registered and not failed:
+                    return  # no GPU here has XID events: nothing to watch, nothing to retry
                 if not registered:
                     stop.wait(XID_NONE_REGISTERED_S)
                     continue
@@ -191,9 +193,10 @@ class NvmlBackend:
                     pass
             stop.wait(XID_REBUILD_S)
 
-    def _register(self, event_set: Any, error: Callable[[str], None]) -> int:
+    def _register(self, event_set: Any, error: Callable[[str], None]) -> tuple[int, int]:
+        """(GPUs registered, GPUs whose registration failed); unsupported ones count in neither."""
         nv = self.nv
-        registered = 0
+        registered = failed = 0
         for i, h in self._handles.items():
             try:
                 nv.nvmlDeviceRegisterEvents(h, nv.nvmlEventTypeXidCriticalError, event_set)
@@ -201,9 +204,10 @@ class NvmlBackend:
             except nv.NVMLError_NotSupported:
                 log.info("XID events not supported on this GPU", extra={"fields": {"gpu": i}})
             except nv.NVMLError as exc:
+                failed += 1
                 error("nvmlDeviceRegisterEvents")
                 log.warning("cannot watch XID events", extra={"fields": {"gpu": i, "error": str(exc)}})
-        return registered
+        return registered, failed
 
     def _wait_events(
         self,
