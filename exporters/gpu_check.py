@@ -190,7 +190,8 @@ def start_exporter(hostname: str, log_path: str | None = None) -> tuple[subproce
 
 
 # A CUDA process from the driver's own library: a context and a buffer on every GPU, held until
-# stdin closes. No framework needed, so it runs wherever the driver is installed.
+# stdin closes. No framework needed, so it runs wherever the driver is installed. The primary
+# context calls have kept their signatures across CUDA releases (cuCtxCreate has not).
 HOLD = """
 import ctypes, sys
 cuda = ctypes.CDLL("libcuda.so.1")
@@ -204,7 +205,8 @@ keep = []
 for i in range(n.value):
     dev, ctx, ptr = ctypes.c_int(), ctypes.c_void_p(), ctypes.c_uint64()
     ok(cuda.cuDeviceGet(ctypes.byref(dev), i), "cuDeviceGet")
-    ok(cuda.cuCtxCreate_v2(ctypes.byref(ctx), 0, dev), "cuCtxCreate")
+    ok(cuda.cuDevicePrimaryCtxRetain(ctypes.byref(ctx), dev), "cuDevicePrimaryCtxRetain")
+    ok(cuda.cuCtxSetCurrent(ctx), "cuCtxSetCurrent")
     ok(cuda.cuMemAlloc_v2(ctypes.byref(ptr), ctypes.c_size_t(int(sys.argv[1]) << 20)), "cuMemAlloc")
     keep.append((ctx, ptr))
 print("holding", n.value, flush=True)
