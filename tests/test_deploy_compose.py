@@ -366,7 +366,7 @@ def test_healthcheck_passes_only_when_every_url_answers_2xx(http_server: str) ->
 def test_healthcheck_without_a_url_probes_the_containers_own_command(http_server: str) -> None:
     """The Dockerfile's HEALTHCHECK passes no URL: the script finds the component from the
     container's command (through docker-init) and probes its endpoint on the contract port."""
-    spec = importlib.util.spec_from_file_location("inferwatch_healthcheck", HEALTHCHECK)
+    spec = importlib.util.spec_from_file_location("docker_healthcheck", HEALTHCHECK)
     hc = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(hc)
     p = contract.PORTS
