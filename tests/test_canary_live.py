@@ -236,7 +236,11 @@ def judged(live: Live, at: float, expected: str) -> dict:
     why = json.dumps(checks, indent=1)
     assert report["verdict"] == expected, why
     assert code == {PASS: 0, FAIL: 1, INCONCLUSIVE: 2}[expected] == report["exit_code"]
-    assert judge(live.prometheus, MODEL, BASELINE, CANARY, live.spec, at=at).verdict == expected
+    report = judge(live.prometheus, MODEL, BASELINE, CANARY, live.spec, at=at)
+    assert report.verdict == expected
+    assert report.why == "; ".join(
+        f"{n}: {ch['reason']}" for n, ch in checks.items() if ch["verdict"] == expected
+    )
     argo, values = argo_verdict(live, at)
     assert argo == expected, (values, why)
     assert flagger_verdict(live, at) == expected, why

@@ -72,6 +72,12 @@ class Report:
     def exit_code(self) -> int:
         return EXIT_CODES[self.verdict]
 
+    @property
+    def why(self) -> str:
+        """One line for a table cell: the checks that decided the verdict, and why."""
+        deciding = [ch for ch in self.checks if ch.verdict == self.verdict] or list(self.checks)
+        return "; ".join(f"{ch.name}: {ch.reason}" for ch in deciding)
+
     def to_dict(self) -> dict:
         out = asdict(self)
         out["exit_code"] = self.exit_code

@@ -116,7 +116,9 @@ def _kustomization() -> dict:
 KUSTOMIZATION_HEADER = (
     "# Canary analysis for Argo Rollouts (AnalysisTemplate inferwatch-canary, args model, baseline,\n"
     "# canary) and Flagger (MetricTemplates inferwatch-canary-*). Needs the controller's CRDs:\n"
-    "# add this component only where Argo Rollouts and Flagger are installed.\n"
+    "# add this component only where Argo Rollouts and Flagger are installed. Where Prometheus\n"
+    "# is not kube-prometheus-stack's, pass the AnalysisTemplate's arg `prometheus` and patch the\n"
+    "# MetricTemplates' spec.provider.address.\n"
 )
 
 
