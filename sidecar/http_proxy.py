@@ -28,8 +28,9 @@ the server (its write to a pooled connection failed at once); safe methods (GET,
 OPTIONS) also when a pooled connection closed before any answer byte.
 
 Drain (``begin_drain`` at SIGTERM, ``stop`` when the listener closes): every answer says
-``Connection: close``; connections accepted meanwhile are served like any other; idle ones
-close after ``DRAIN_IDLE_GRACE``.
+``Connection: close``; connections accepted meanwhile are served like any other; one whose
+answer began before (without "close") waits for its client's next request; idle ones close
+after ``DRAIN_IDLE_GRACE``.
 
 Backpressure: a client's reading pauses while the upstream connection's write buffer is
 above the high-water mark (or while it connects, or while a pipelined request waits), and
@@ -381,7 +382,7 @@ class Exchange:
         else:
             if not self.req_complete or status in (400, 408, 413, 431):
                 self.close_after = True
-            close = self.close_after or not client.keep_alive
+            close = self.close_after = self.close_after or not client.keep_alive
             client.transport.write(ERROR_RESPONSES[(status, close)])
         self.status = status
         self._close(STATUS_STR[status], None)
@@ -789,7 +790,10 @@ class ClientConn(asyncio.Protocol):
                 pass
         if self.closed:
             return
-        if ex.close_after or not self.keep_alive or (self.eof and not self.exchanges):
+        # An answer begun before the drain did not say "close": the client may be sending its
+        # next request already, so serve that one (it will say "close") rather than cut it.
+        unannounced = not ex.close_after and not self.keep_alive and self.proxy.draining
+        if ex.close_after or (not self.keep_alive and not unannounced) or (self.eof and not self.exchanges):
             while self.exchanges:
                 self.exchanges.popleft().cancel()
             self.shutdown(linger=not ex.req_complete)
@@ -800,7 +804,8 @@ class ClientConn(asyncio.Protocol):
             nxt.flush()
         elif self.dl_kind == _WAIT:
             self.dl_kind = _IDLE
-            self.deadline = self.proxy.loop.time() + self.proxy.config.keepalive_timeout
+            wait = DRAIN_IDLE_GRACE if unannounced else self.proxy.config.keepalive_timeout
+            self.deadline = self.proxy.loop.time() + wait
         self.update_reading()
 
     def reject(self, status: int) -> None:

@@ -161,7 +161,13 @@ class Peer:
                     writer.close()
                     return
                 served += 1
-                writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\n{}")
+                if head.startswith(b"GET /slow "):  # the head now, the body half a second later
+                    writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\n")
+                    await writer.drain()
+                    await asyncio.sleep(0.5)
+                    writer.write(b"{}")
+                else:
+                    writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\n{}")
                 await writer.drain()
         except (asyncio.IncompleteReadError, ConnectionError):
             writer.close()
@@ -286,11 +292,20 @@ async def drain_scenario() -> dict[str, bytes]:
         r2, w2 = await asyncio.open_connection("127.0.0.1", proxy.port)
         w2.write(POST)
         await r2.readuntil(b"{}")
+        # An answer under way when SIGTERM arrives, its head already sent without "close".
+        r3, w3 = await asyncio.open_connection("127.0.0.1", proxy.port)
+        w3.write(b"GET /slow HTTP/1.1\r\nHost: x\r\n\r\n")
+        slow_head = await asyncio.wait_for(r3.readuntil(b"\r\n\r\n"), 10)
 
         proxy.begin_drain()  # SIGTERM: /readyz says 503, the listener still accepts (--drain-delay)
         out["accepted_while_draining"] = await ask(proxy.port, POST)
         w1.write(POST)  # the kept-alive client's next request
         out["kept_alive_during_delay"] = await asyncio.wait_for(r1.read(), 10)  # served, then EOF
+        assert b"connection: close" not in slow_head.lower()
+        await asyncio.wait_for(r3.readexactly(2), 10)
+        await asyncio.sleep(0.1)  # the client reuses the connection it was not told to leave
+        w3.write(POST)
+        out["answer_begun_before_drain"] = await asyncio.wait_for(r3.read(), 10)
 
         stopping = asyncio.create_task(proxy.stop(10))  # the listener closes
         await asyncio.sleep(0.2)
