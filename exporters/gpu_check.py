@@ -216,12 +216,18 @@ sys.stdin.read()
 
 def hold_gpu_memory(mib: int) -> subprocess.Popen:
     proc = subprocess.Popen(
-        [sys.executable, "-c", HOLD, str(mib)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+        [sys.executable, "-c", HOLD, str(mib)],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
     )
     line = proc.stdout.readline() if proc.stdout else ""
     if not line.startswith("holding"):
         proc.kill()
-        raise RuntimeError(f"could not hold GPU memory with libcuda: {line or proc.wait()}")
+        _, err = proc.communicate(timeout=10)
+        last = (err or "").strip().splitlines()[-1:] or [f"exit code {proc.returncode}"]
+        raise RuntimeError(f"could not hold GPU memory with libcuda: {last[0]}")
     return proc
 
 
@@ -450,6 +456,9 @@ def main(argv: list[str] | None = None) -> int:
                 )
             )
         return 0 if report.differing == 0 else 1
+    except (RuntimeError, OSError) as exc:  # no NVML, no libcuda, an exporter that died: one line
+        print(f"gpu_check: error: {exc}", file=sys.stderr)
+        return 2
     finally:
         if holder is not None:
             holder.kill()

@@ -182,3 +182,19 @@ def test_label_check_catches_the_minor_number_in_device_a_wrong_err_msg_and_stra
     assert rows["label device"] is False and rows["label gpu"] is True
     assert label_rows(msg="Unknown Error")["XID err_code/err_msg"] is False
     assert label_rows(extra=',minor="4"')["label names"] is False
+
+
+def test_check_without_libcuda_says_so_in_one_line(tmp_path: Path) -> None:
+    smi = tmp_path / "nvidia-smi"
+    smi.write_text("#!/bin/sh\nexit 0\n")
+    smi.chmod(0o755)
+    proc = subprocess.run(
+        [sys.executable, "-m", "exporters.gpu_check", "--load"],
+        capture_output=True,
+        text=True,
+        env={**os.environ, "PATH": f"{tmp_path}{os.pathsep}{os.environ['PATH']}"},
+        timeout=60,
+    )
+    assert proc.returncode == 2
+    assert proc.stderr.startswith("gpu_check: error: could not hold GPU memory with libcuda: ")
+    assert len(proc.stderr.strip().splitlines()) == 1
