@@ -160,6 +160,7 @@ class GpuSource:
         self.xids = xids or XidLog()
         self.ready: Ready | None = None
         self.last_error = ""
+        self._last_exc: BaseException | None = None  # why the last start failed
         self._retry = retry
         self._was_up = False
         self._retry_initial = retry_initial_s
@@ -218,8 +219,6 @@ class GpuSource:
             )
             self._pods.start()
         self._spawn(self._supervise, "gpu-backend-supervisor")
-
-    _last_exc: BaseException | None = None
 
     def _try_start(self, make: Callable[[], Backend], fallback: bool = False) -> bool:
         try:
