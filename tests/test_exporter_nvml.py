@@ -100,3 +100,19 @@ def test_xid_events_become_a_counter_by_code_over_http() -> None:
         fb = {s.labels["gpu"]: s.value for s in fams[c.DCGM_FB_USED.name].samples}
         assert fb["0"] == (85520809984 - 555745280 - 40000000000) // MIB
     assert nvml.calls[-2:] == ["nvmlEventSetFree", "nvmlShutdown"]
+
+
+def test_the_fake_answers_only_functions_nvidia_ml_py_has_with_its_parameters() -> None:
+    """The fake stands in for nvidia-ml-py's functions, so each must exist there and take the
+    same leading parameters: a backend call that works against the fake then names a real
+    function the real way."""
+    import inspect
+
+    for name, fn in vars(FakeNvml).items():
+        if not name.startswith("nvml") or not callable(fn):
+            continue
+        assert hasattr(pynvml, name), f"{name} is not in nvidia-ml-py"
+        fake = [p for p in inspect.signature(fn).parameters if p != "self"]
+        real = inspect.signature(getattr(pynvml, name)).parameters.values()
+        required = [p.name for p in real if p.default is inspect.Parameter.empty]
+        assert len(required) <= len(fake) <= len(real), (name, fake, [p.name for p in real])
