@@ -2,7 +2,7 @@
 
 - Start: the sidecar starts before Triton (as in a pod); requests sent the moment Triton is
   ready are counted under their model, and ``/readyz`` is 503 until the upstream is ready and
-  its model index read.
+  its model index read (a plain HTTP upstream without those endpoints turns ready too).
 - Replays: a request is resent on a fresh upstream connection only when it provably never
   reached the server (its write failed); a POST the upstream read before closing is not
   (502, counted as server_error), while a GET (safe to repeat) is.
@@ -123,6 +123,44 @@ def test_requests_sent_as_soon_as_triton_is_ready_count_under_their_model(tmp_pa
             starter.join(200)
     assert started == [None], started
     assert counted == {("ranker", "1", "200"): 20.0}, counted
+
+
+@pytest.mark.integration
+def test_an_upstream_without_kserve_endpoints_still_turns_ready(tmp_path: Path) -> None:
+    """A plain HTTP server (404 for /v2/health/ready and the index) counts as ready once it
+    answers, and its names are admitted first come, as before readiness checked the upstream."""
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    class Plain(BaseHTTPRequestHandler):
+        protocol_version = "HTTP/1.1"
+
+        def _answer(self) -> None:
+            self.rfile.read(int(self.headers.get("Content-Length") or 0))
+            ok = self.path.startswith("/api/")
+            body = b"{}" if ok else b"no such path"
+            self.send_response(200 if ok else 404)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        do_GET = do_POST = _answer
+
+        def log_message(self, format: str, *args: object) -> None:
+            pass
+
+    plain = ThreadingHTTPServer(("127.0.0.1", 0), Plain)
+    threading.Thread(target=plain.serve_forever, daemon=True).start()
+    try:
+        upstream = f"127.0.0.1:{plain.server_address[1]}"
+        route = ("--route", r"^/api/(?P<model>[^/]+)")
+        with launch_sidecar(upstream, upstream, tmp_path, "--grpc-port", "0", *route) as sc:
+            code, body = readyz(sc)
+            assert code == 200 and body["upstream"] == "ready" and body["model_index_read"], body
+            assert httpx.post(f"{sc.base_url}/api/sentiment", json={}).status_code == 200
+            counted = sc.counts(contract.REQUESTS_TOTAL.name, "model", "code")
+    finally:
+        plain.shutdown()
+    assert counted == {("sentiment", "200"): 1.0}
 
 
 # --------------------------------------------------------------------------------------------
