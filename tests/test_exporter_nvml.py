@@ -116,3 +116,24 @@ def test_the_fake_answers_only_functions_nvidia_ml_py_has_with_its_parameters() 
         real = inspect.signature(getattr(pynvml, name)).parameters.values()
         required = [p.name for p in real if p.default is inspect.Parameter.empty]
         assert len(required) <= len(fake) <= len(real), (name, fake, [p.name for p in real])
+
+
+def test_gpu_temperature_uses_the_versioned_call_and_falls_back_on_older_drivers() -> None:
+    nvml = FakeNvml(gpus=1)
+    backend = NvmlBackend(nvml)
+    backend.init()
+    guard = Guard(0, ErrorCounter(), backend.not_supported)
+    assert backend.read(0, guard).gpu_temp == 61
+    assert "nvmlDeviceGetTemperatureV" in nvml.calls and "nvmlDeviceGetTemperature" not in nvml.calls
+
+    def missing(h, sensor, version=None):  # a driver without the symbol
+        nvml.calls.append("nvmlDeviceGetTemperatureV")
+        raise pynvml.NVMLError(pynvml.NVML_ERROR_FUNCTION_NOT_FOUND)
+
+    nvml.nvmlDeviceGetTemperatureV = missing  # type: ignore[method-assign]
+    nvml.calls.clear()
+    errors = ErrorCounter()
+    for _ in range(3):
+        assert backend.read(0, Guard(0, errors, backend.not_supported)).gpu_temp == 61
+    assert nvml.calls.count("nvmlDeviceGetTemperatureV") == 1  # asked once, then the old call
+    assert errors.snapshot() == {}

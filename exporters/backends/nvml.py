@@ -49,6 +49,7 @@ class NvmlBackend:
         self._memory_v1: set[int] = set()  # GPUs without memory info v2 (per GPU, not per process)
         self.failed: list[DeviceFailure] = []
         self.driver_version = ""
+        self._old_temperature = False  # the driver lacks nvmlDeviceGetTemperatureV
 
     def init(self) -> list[DeviceInfo]:
         nv = self.nv
@@ -146,14 +147,15 @@ class NvmlBackend:
 
     def _gpu_temp(self, h: Any) -> int:
         # nvmlDeviceGetTemperature is marked for removal (CUDA 14); V is the versioned call that
-        # replaces it. Drivers older than V do not export it: NVML says FunctionNotFound.
+        # replaces it. Drivers older than V do not export it (FunctionNotFound) or may not know
+        # its struct version: then, and only then, the old call.
         nv = self.nv
         versioned = getattr(nv, "nvmlDeviceGetTemperatureV", None)
-        if versioned is not None:
+        if versioned is not None and not self._old_temperature:
             try:
                 return int(versioned(h, nv.NVML_TEMPERATURE_GPU))
-            except nv.NVMLError_FunctionNotFound:
-                pass
+            except (nv.NVMLError_FunctionNotFound, nv.NVMLError_ArgumentVersionMismatch):
+                self._old_temperature = True
         return nv.nvmlDeviceGetTemperature(h, nv.NVML_TEMPERATURE_GPU)
 
     def _memory_temp(self, h: Any) -> int | None:
