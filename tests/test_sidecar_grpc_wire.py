@@ -11,6 +11,7 @@ from tritonclient.grpc import service_pb2 as pb
 
 from sidecar.grpc_methods import UNARY_METHODS, stream_error_code
 from sidecar.grpc_proxy import forwarded_metadata, with_traceparent
+from sidecar.grpc_streams import StreamMatcher
 from sidecar.grpc_wire import (
     HEAD_BYTES,
     MessageScanner,
@@ -341,3 +342,23 @@ def test_partial_reads_stop_quietly_at_the_cut() -> None:
         "Request for unknown model: 'x' is not found",
         "r-10",
     )
+
+
+# --------------------------------------------------------------------------- the stream matcher
+
+
+def test_stream_matcher_rules() -> None:
+    """By id, first in first out among equal ids; an error naming no open request closes the
+    oldest open one (by arrival, whatever its id); a non-final response closes nothing; drain
+    hands back the rest oldest first."""
+    m = StreamMatcher()
+    for rid, obs in (("a", "a1"), ("b", "b1"), ("a", "a2"), ("", "n1"), ("", "n2")):
+        m.add(rid, obs, len(obs))
+    assert len(m) == 5
+    assert m.take("a", error=False, final=False) is None  # decoupled, not final
+    assert m.take("a", error=False, final=None) == ("a1", 2)
+    assert m.take("zz", error=False, final=None) is None  # a response for nothing open
+    assert m.take("zz", error=True, final=None) == ("b1", 2)  # the oldest open: b1, not a2
+    assert m.take("", error=False, final=True) == ("n1", 2)
+    assert list(m.drain()) == [("a2", 2), ("n2", 2)]
+    assert len(m) == 0 and m.take("", error=True, final=None) is None
