@@ -140,6 +140,7 @@ def test_2_labels_are_dcgm_exporters_even_where_minor_and_index_differ() -> None
         (pynvml.NVML_VALUE_TYPE_UNSIGNED_INT, 70, 70),
         (pynvml.NVML_VALUE_TYPE_DOUBLE, 71.0, 71),  # a driver that really writes a double
         (pynvml.NVML_VALUE_TYPE_UNSIGNED_INT, 250, None),  # over 200: garbage, dropped
+        (pynvml.NVML_VALUE_TYPE_UNSIGNED_INT, (0xDEADBEEF << 32) | 68, 68),  # the union's other half
     ],
 )
 def test_3_memory_temperature_is_read_as_dcgm_reads_it(tag: int, value: float, expected: int | None) -> None:

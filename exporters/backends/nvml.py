@@ -253,13 +253,10 @@ def _handle_key(handle: Any) -> int:
 def memory_temp(nv: Any, fv: Any) -> int | None:
     """Memory temperature from a field value, read as DCGM reads it: the unsigned integer, not
     the member ``valueType`` names. A driver bug (r545) tags this integer field as a double, and
-    reading ``dVal`` then gives a denormal that truncates to 0 °C. The union is zero-filled by
-    ctypes, so ``ullVal`` equals the integer the driver wrote. A value over 200 is not a
-    temperature: if the tag says double and ``dVal`` is plausible, the driver did write a
-    double; otherwise the value is dropped (None)."""
-    value = int(fv.value.ullVal)
-    if value <= MEMORY_TEMP_MAX_C:
-        return value
-    if fv.valueType == getattr(nv, "NVML_VALUE_TYPE_DOUBLE", 0) and 0 < fv.value.dVal <= MEMORY_TEMP_MAX_C:
+    reading ``dVal`` then gives a denormal that truncates to 0 °C. Only a tag of double with a
+    plausible ``dVal`` (1 to 200) is taken as a double the driver really wrote. A value over 200
+    is not a temperature and is dropped (None), as DCGM drops it."""
+    if fv.valueType == getattr(nv, "NVML_VALUE_TYPE_DOUBLE", 0) and 1.0 <= fv.value.dVal <= MEMORY_TEMP_MAX_C:
         return round(fv.value.dVal)
-    return None
+    value = int(fv.value.uiVal)  # the 32 bits the driver writes; the rest of the union is not its
+    return value if value <= MEMORY_TEMP_MAX_C else None
