@@ -555,8 +555,8 @@ def run(opts: Options) -> dict:
                 log(f"measuring for {opts.measure:.0f}s")
                 durations: dict[str, list[float]] = {}
                 seen: dict[str, float] = {}
-                before = self_metrics(url)
-                t_end = time.monotonic() + opts.measure
+                before, t_before = self_metrics(url), time.monotonic()
+                t_end = t_before + opts.measure
                 while True:
                     m = self_metrics(url)
                     lasts = _by_group(m, "prometheus_rule_group_last_duration_seconds")
@@ -568,6 +568,8 @@ def run(opts: Options) -> dict:
                     if time.monotonic() >= t_end:
                         break
                     time.sleep(min(opts.eval_interval / 3, 2))
+                cpu = _one(m, "process_cpu_seconds_total") - _one(before, "process_cpu_seconds_total")
+                cpu_rate = cpu / (time.monotonic() - t_before)
                 _progress(url, time.monotonic() - t_start, targets)
                 rules_api = httpx.get(f"{url}/api/v1/rules", timeout=60).json()["data"]["groups"]
                 log("timing the Fleet overview's queries")
@@ -585,6 +587,10 @@ def run(opts: Options) -> dict:
                     "series_per_node": per_node,
                     "exposed_series": exposed,
                     **_state(url, m),
+                    # Wall-clock figures on a shared machine include waiting for a core; the CPU
+                    # Prometheus used and the host's load say how much.
+                    "prometheus_cpu_seconds_per_second": round(cpu_rate, 3),
+                    "host": {"cpus": os.cpu_count(), "load_average_1m": round(os.getloadavg()[0], 2)},
                     "rule_groups": _groups(durations, before, m, rules_api),
                     "queries": queries,
                 }
@@ -678,7 +684,9 @@ def print_table(r: dict) -> None:
     print(
         f"memory: {mem['resident_bytes'] / 2**20:.0f} MiB resident ({mem['resident_bytes_per_series']} "
         f"B/series), {mem['heap_inuse_bytes'] / 2**20:.0f} MiB Go heap in use "
-        f"({mem['heap_bytes_per_series']} B/series)"
+        f"({mem['heap_bytes_per_series']} B/series); Prometheus used "
+        f"{r['prometheus_cpu_seconds_per_second']} CPU-s/s; host: {r['host']['cpus']} CPUs, "
+        f"load average {r['host']['load_average_1m']}"
     )
     print("\n| rule group | rules | evaluations | median | max | failures | missed |")
     print("| --- | ---: | ---: | ---: | ---: | ---: | ---: |")
@@ -709,6 +717,8 @@ def main() -> int:
     parser.add_argument("--eval-interval", type=_seconds, default=None, help="default: the spec's")
     parser.add_argument("--json", action="store_true", help="print the results as JSON")
     args = parser.parse_args()
+    # SIGTERM unwinds like Ctrl-C, so Prometheus and the exporter are stopped on the way out.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     try:
         spec = load_spec(args.spec)
     except Exception as exc:  # the spec loader's errors are one line already
