@@ -331,3 +331,18 @@ def test_token_latency_checks_run_when_the_contract_has_them(live: Live, monkeyp
     monkeypatch.delattr(c, "TIME_PER_OUTPUT_TOKEN")
     plain = judge(live.prometheus, MODEL, BASELINE, CANARY, live.spec, at=time.time())
     assert [ch.name for ch in plain.checks] == ["errors", "latency"]
+
+
+def test_every_generated_rule_evaluates_cleanly_on_live_data(live: Live) -> None:
+    deadline = time.monotonic() + 60
+    while True:  # until every rule has been evaluated at least once
+        groups = httpx.get(f"{live.prometheus}/api/v1/rules", timeout=10).json()["data"]["groups"]
+        pending = [r["name"] for g in groups for r in g["rules"] if r["health"] == "unknown"]
+        if not pending or time.monotonic() > deadline:
+            break
+        time.sleep(1)
+    assert "inferwatch-canary" in {g["name"] for g in groups}
+    bad = [
+        (g["name"], r["name"], r.get("lastError")) for g in groups for r in g["rules"] if r["health"] != "ok"
+    ]
+    assert not bad, bad
