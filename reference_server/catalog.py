@@ -2,6 +2,10 @@
 
 This is the client-side view of ``reference_server/model_repository``; a test checks it
 against the model configs Triton actually serves, so the two cannot drift apart.
+
+``MODELS`` answer one request with one response (KServe v2 ``infer``); ``STREAM_MODELS`` are
+decoupled token streams, reached through ``generate``, ``generate_stream`` and gRPC
+``ModelStreamInfer`` (Triton refuses ``infer`` for them), so they are kept apart.
 """
 
 from __future__ import annotations
@@ -49,7 +53,31 @@ class ModelInfo:
         return self.outputs[0]
 
 
-_NUMPY: dict[str, type[np.generic]] = {"FP32": np.float32, "FP64": np.float64, "INT32": np.int32}
+@dataclass(frozen=True, slots=True)
+class StreamModelInfo:
+    """A decoupled model that streams tokens (reference_models.TokenStream): one response per
+    token, then a final flag; ``"stream": false`` gets the whole text in one response."""
+
+    name: str
+    versions: tuple[str, ...]
+    inputs: tuple[Tensor, ...]  # the first is the prompt; the others are optional
+    outputs: tuple[Tensor, ...]
+    ttft_ms: dict[str, float]  # by version: time from the request to the first token
+    per_token_ms: dict[str, float]  # by version: time between two tokens
+    default_max_tokens: int
+    max_tokens_limit: int
+    description: str
+    max_batch_size: int = 0
+    dynamic_batching: bool = False
+
+
+_NUMPY: dict[str, type[np.generic]] = {
+    "FP32": np.float32,
+    "FP64": np.float64,
+    "INT32": np.int32,
+    "BYTES": np.object_,
+    "BOOL": np.bool_,
+}
 
 _DENSE_IN = (Tensor("INPUT", "FP32", (DENSE_DIM,)),)
 _DENSE_OUT = (Tensor("OUTPUT", "FP32", (DENSE_DIM,)),)
@@ -106,6 +134,28 @@ MODELS: dict[str, ModelInfo] = {
             8,
             True,
             "scores 16 candidates; version 1 stable (linear), version 2 canary (two layers, slower)",
+        ),
+    )
+}
+
+STREAM_MODELS: dict[str, StreamModelInfo] = {
+    m.name: m
+    for m in (
+        StreamModelInfo(
+            "tiny_stream",
+            ("1", "2"),
+            (
+                Tensor("text_input", "BYTES", (1,)),
+                Tensor("max_tokens", "INT32", (1,)),
+                Tensor("stream", "BOOL", (1,)),
+            ),
+            (Tensor("text_output", "BYTES", (1,)),),
+            ttft_ms={"1": 20.0, "2": 20.0},
+            per_token_ms={"1": 10.0, "2": 15.0},
+            default_max_tokens=16,
+            max_tokens_limit=4096,
+            description="streams the prompt's words back as tokens at a set pace; version 1 stable, "
+            "version 2 canary (slower per token)",
         ),
     )
 }

@@ -35,7 +35,8 @@ def _register_triton(sub: argparse._SubParsersAction) -> None:
         help="run the bundled Triton reference server in the foreground",
         description=(
             "Start NVIDIA Triton on the reference model repository (dense_batched, dense_unbatched, "
-            "dense_int4_batched, dense_int4_unbatched, ranker v1/v2), wait until every model is ready, "
+            "dense_int4_batched, dense_int4_unbatched, ranker v1/v2, the token stream tiny_stream "
+            "v1/v2), wait until every model is ready, "
             "and keep it running until SIGTERM or "
             "Ctrl-C, which stop it cleanly. Fault injection (inferwatch fault) works on the state "
             "directory given here."
@@ -127,13 +128,7 @@ def _triton(args: argparse.Namespace) -> int:
 
         for target, fault in faults.active(server.state_dir).items():
             # Faults live on across restarts; say so rather than surprise anyone.
-            log.warning(
-                "fault in effect",
-                target=target,
-                error_rate=fault.error_rate,
-                extra_latency_ms=fault.extra_latency_ms,
-                clear="inferwatch fault clear",
-            )
+            log.warning("fault in effect", target=target, **fault.to_json(), clear="inferwatch fault clear")
         code = server.wait()
         if not stopping:
             raise CliError(f"Triton exited unexpectedly with code {code}; see its log: {server.log_path}")
@@ -169,7 +164,9 @@ def _register_fault(sub: argparse._SubParsersAction) -> None:
         description=(
             "Change a running reference model's behaviour without restarting Triton, for all traffic "
             "from any client. Injected errors are real Triton failures: its request-failure counter "
-            "rises and clients get HTTP 500 / gRPC INTERNAL."
+            "rises and clients get HTTP 500 / gRPC INTERNAL. The token-streaming model (tiny_stream) "
+            "also takes a time to first token, a time per token and an error after N tokens, which "
+            "ends its streams with an error event (SSE) or an in-band error message (gRPC)."
         ),
     )
     fsub = p.add_subparsers(dest="fault_command", metavar="SUBCOMMAND", required=True)
@@ -181,10 +178,12 @@ def _register_fault(sub: argparse._SubParsersAction) -> None:
     )
     s.add_argument("--model", required=True, help="model name, e.g. ranker")
     s.add_argument("--version", default=None, help="only this version (default: every version)")
-    s.add_argument("--error-rate", type=float, default=None, help="fraction of requests that fail, 0..1")
-    s.add_argument(
-        "--extra-latency-ms", type=float, default=None, help="milliseconds added to every execution"
-    )
+    from reference_server.faults import KNOBS
+
+    for knob in KNOBS:  # one flag per fault kind, from the one table of them
+        more = " (streaming models only)" if knob.streaming else ""
+        # float for all: a whole-number knob given 2.5 gets the table's one-line error, not argparse's
+        s.add_argument(knob.flag, type=float, default=None, help=knob.help + more)
     _state_dir_arg(s)
     s.set_defaults(func=_fault_set)
     c = fsub.add_parser("clear", help="remove faults (all, a model's, or one version's)")
@@ -200,23 +199,15 @@ def _register_fault(sub: argparse._SubParsersAction) -> None:
 def _fault_set(args: argparse.Namespace) -> int:
     from reference_server import faults
 
-    if args.error_rate is None and args.extra_latency_ms is None:
-        raise CliError("nothing to set: give --error-rate and/or --extra-latency-ms", 2)
+    given = {k.field: getattr(args, k.field) for k in faults.KNOBS if getattr(args, k.field) is not None}
+    if not given:
+        raise CliError(f"nothing to set: give at least one of {', '.join(k.flag for k in faults.KNOBS)}", 2)
     try:
-        path = faults.set_fault(
-            args.model,
-            args.version,
-            error_rate=args.error_rate or 0.0,
-            extra_latency_ms=args.extra_latency_ms or 0.0,
-            state_dir=args.state_dir,
-        )
+        path = faults.set_fault(args.model, args.version, state_dir=args.state_dir, **given)
     except faults.FaultError as exc:
         raise CliError(str(exc), 2) from None
     target = f"{args.model} version {args.version}" if args.version else f"{args.model} (every version)"
-    print(
-        f"fault set on {target}: error rate {args.error_rate or 0:g}, "
-        f"extra latency {args.extra_latency_ms or 0:g} ms ({path})"
-    )
+    print(f"fault set on {target}: {faults.Fault.from_json(given).describe()} ({path})")
     return 0
 
 
@@ -238,7 +229,7 @@ def _fault_list(args: argparse.Namespace) -> int:
     if not found:
         print(f"no faults in {faults.faults_dir(args.state_dir)}")
     for target, f in found.items():
-        print(f"{target}: error rate {f.error_rate:g}, extra latency {f.extra_latency_ms:g} ms")
+        print(f"{target}: {f.describe()}")
     return 0
 
 

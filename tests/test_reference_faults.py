@@ -128,7 +128,7 @@ def test_extra_latency_shows_in_measured_latency(triton, clean_faults: Path) -> 
 def test_fault_cli_refuses_bad_settings(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
     for args, words in (
         (["set", "--model", "ranker", "--error-rate", "1.5"], "between 0 and 1"),
-        (["set", "--model", "ranker", "--extra-latency-ms", "-3"], "extra latency"),
+        (["set", "--model", "ranker", "--extra-latency-ms", "-3"], "--extra-latency-ms must be between"),
         (["set", "--model", "ranker"], "--error-rate"),
         (["set", "--model", "../etc", "--error-rate", "0.1"], "model name"),
         (["set", "--model", "ranker", "--version", "v2", "--error-rate", "0.1"], "version"),

@@ -38,15 +38,39 @@ def test_every_model_file_is_the_same_shim() -> None:
     """Each version's model.py only imports the shared reference_models.py, so no model can
     drift from the others."""
     files = sorted(catalog.MODEL_REPOSITORY.glob("*/*/model.py"))
-    assert len(files) == sum(len(m.versions) for m in catalog.MODELS.values())
+    models = [*catalog.MODELS.values(), *catalog.STREAM_MODELS.values()]
+    assert len(files) == sum(len(m.versions) for m in models)
     for f in files[1:]:
         assert filecmp.cmp(files[0], f, shallow=False), f"{f} differs from {files[0]}"
     assert "from reference_models import TritonPythonModel" in files[0].read_text()
 
 
+# Triton's config says TYPE_STRING where the KServe v2 protocol (and the catalog) say BYTES.
+CONFIG_TYPE = {"BYTES": "TYPE_STRING"}
+
+
 def test_catalog_matches_what_triton_serves(triton) -> None:
     client = httpclient.InferenceServerClient(triton.http_url)
     index = {(m["name"], m.get("version", "")) for m in client.get_model_repository_index()}
+    listed = {
+        (m.name, v) for m in (*catalog.MODELS.values(), *catalog.STREAM_MODELS.values()) for v in m.versions
+    }
+    assert index == listed, "every served model is in the catalog and the other way round"
+    for info in catalog.STREAM_MODELS.values():
+        cfg = client.get_model_config(info.name)
+        assert cfg["model_transaction_policy"] == {"decoupled": True}
+        assert cfg["max_batch_size"] == info.max_batch_size and "dynamic_batching" not in cfg
+        for want, got in ((info.inputs, cfg["input"]), (info.outputs, cfg["output"])):
+            assert [
+                (t.name, CONFIG_TYPE.get(t.datatype, f"TYPE_{t.datatype}"), list(t.shape)) for t in want
+            ] == [(g["name"], g["data_type"], [int(d) for d in g["dims"]]) for g in got]
+        assert [bool(g.get("optional")) for g in cfg["input"]] == [False] + [True] * (len(info.inputs) - 1)
+        params = {k: v["string_value"] for k, v in cfg["parameters"].items()}
+        for v in info.versions:
+            assert float(params.get(f"v{v}_ttft_ms", params["ttft_ms"])) == info.ttft_ms[v]
+            assert float(params.get(f"v{v}_per_token_ms", params["per_token_ms"])) == info.per_token_ms[v]
+        assert int(params["default_max_tokens"]) == info.default_max_tokens
+        assert int(params["max_tokens_limit"]) == info.max_tokens_limit
     for info in catalog.MODELS.values():
         for v in info.versions:
             assert (info.name, v) in index

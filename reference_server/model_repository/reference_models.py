@@ -15,7 +15,8 @@ Fault injection: before each execution the model stats ``<faults dir>/<model>@<v
 and ``<faults dir>/<model>.json`` (the first that exists wins) and re-reads it only when it
 changed, so the check costs two ``stat`` calls. The faults dir is ``$INFERWATCH_FAULTS_DIR``,
 else ``$INFERWATCH_STATE_DIR/faults``; with neither set, faults are off. A fault file holds
-``{"error_rate": 0.0..1.0, "extra_latency_ms": float}``.
+``{"error_rate": 0.0..1.0, "extra_latency_ms": float}``, and for the token streams
+(``TokenStream``) also ``ttft_ms``, ``per_token_ms`` and ``error_after_tokens``.
 
 An injected error raises from ``execute``: only then does Triton count the requests as failed in its
 request-failure counter (an error set on an ``InferenceResponse`` is counted as a
@@ -29,6 +30,7 @@ from __future__ import annotations
 import json
 import os
 import random
+import threading
 import time
 
 import numpy as np
@@ -36,6 +38,9 @@ import triton_python_backend_utils as pb_utils
 
 FAULTS_DIR_ENV = "INFERWATCH_FAULTS_DIR"
 STATE_DIR_ENV = "INFERWATCH_STATE_DIR"
+# The fault file's keys this file acts on (reference_server/faults.py KNOBS has the same, tested).
+FAULT_KEYS = ("error_rate", "extra_latency_ms", "ttft_ms", "per_token_ms", "error_after_tokens")
+INJECTED = "injected fault:"  # the start of every injected error's message
 
 
 def make_weights(seed: int, shape: tuple[int, ...]) -> np.ndarray:
@@ -138,6 +143,8 @@ class TritonPythonModel:
         elif self.kind == "dense_int4":
             self.input_name, self.output_name = "INPUT", "OUTPUT"
             self.int4 = make_int4_weights(int(params.get("seed", "0")), int(params.get("dim", "4096")))
+        elif self.kind == "token_stream":
+            self.stream = TokenStream(self.name, self.version, params, self.faults)
         elif self.kind == "ranker":
             features = int(params.get("features", "32"))
             self.input_name, self.output_name = "FEATURES", "SCORES"
@@ -158,7 +165,9 @@ class TritonPythonModel:
         h = np.tanh(x @ self.w1) if self.w1 is not None else x
         return (h @ self.w2)[..., 0]
 
-    def execute(self, requests: list) -> list:
+    def execute(self, requests: list) -> list | None:
+        if self.kind == "token_stream":
+            return self.stream.execute(requests)
         fault = self.faults.current()
         delay = self.delay_s + float(fault.get("extra_latency_ms", 0.0)) / 1000.0
         if delay > 0:
@@ -166,7 +175,7 @@ class TritonPythonModel:
         error_rate = float(fault.get("error_rate", 0.0))
         if error_rate > 0 and self.rng.random() < error_rate:
             raise pb_utils.TritonModelException(
-                f"injected fault: {self.name} version {self.version} (error_rate={error_rate:g})"
+                f"{INJECTED} {self.name} version {self.version} (error_rate={error_rate:g})"
             )
         # One matrix product for the whole batch: reading the weights once is what batching buys.
         inputs = [pb_utils.get_input_tensor_by_name(r, self.input_name).as_numpy() for r in requests]
@@ -180,3 +189,143 @@ class TritonPythonModel:
                 pb_utils.InferenceResponse(output_tensors=[pb_utils.Tensor(self.output_name, out)])
             )
         return responses
+
+    def finalize(self) -> None:
+        if self.kind == "token_stream":
+            self.stream.finalize()
+
+
+def _int_param(params: dict, key: str, default: int) -> int:
+    return int(params.get(key, str(default)))
+
+
+class TokenStream:
+    """A decoupled model that streams tokens at a set pace, standing in for an LLM.
+
+    Each request gets a thread of its own and ``execute`` returns at once, so streams overlap as
+    on an LLM server that batches continuously. Token ``i`` is the ``i``-th word of
+    ``text_input`` (cycling; "token" when it has none) followed by a space, one response per token
+    through the request's response sender, then a last send with only the
+    ``TRITONSERVER_RESPONSE_COMPLETE_FINAL`` flag (the stream ends after the last token, as an
+    LLM's does when it stops). The first token comes ``ttft_ms`` after the request reached the
+    model, each next one ``per_token_ms`` after the one before (scheduled from the start, so
+    the pace does not drift). Errors reach the client as an error response with the final flag:
+    bad input before any token, an injected fault before the first token (``error_rate``) or
+    after ``error_after_tokens`` tokens.
+    """
+
+    def __init__(self, name: str, version: str, params: dict, faults: FaultReader) -> None:
+        self.name, self.version, self.faults = name, version, faults
+        self.ttft_ms = float(params.get(f"v{version}_ttft_ms", params.get("ttft_ms", "0")))
+        self.per_token_ms = float(params.get(f"v{version}_per_token_ms", params.get("per_token_ms", "0")))
+        self.default_max_tokens = _int_param(params, "default_max_tokens", 16)
+        self.max_tokens_limit = _int_param(params, "max_tokens_limit", 4096)
+        self.rng = random.Random()
+        self.threads: set[threading.Thread] = set()
+        self.lock = threading.Lock()
+
+    def execute(self, requests: list) -> None:
+        fault = self.faults.current()
+        for request in requests:
+            t = threading.Thread(target=self._stream, args=(request, fault, time.monotonic()), daemon=True)
+            with self.lock:
+                self.threads.add(t)
+            t.start()
+        return None  # decoupled: every answer goes through the response senders
+
+    def finalize(self) -> None:
+        with self.lock:
+            threads = list(self.threads)
+        for t in threads:
+            t.join(timeout=5)
+
+    def _fail(self, sender, message: str, code: int) -> None:
+        sender.send(
+            pb_utils.InferenceResponse(error=pb_utils.TritonError(message, code)),
+            flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL,
+        )
+
+    def _read(self, request) -> tuple[list[str], int, bool]:
+        """The prompt's words, the number of tokens to send, and whether to stream them one
+        response each; ValueError for bad input."""
+        text = pb_utils.get_input_tensor_by_name(request, "text_input")
+        if text is None:  # Triton 2.51 passes a request without this required input on
+            raise ValueError("text_input is required (one string, the prompt)")
+        text = text.as_numpy().reshape(-1)
+        if text.size != 1:
+            raise ValueError(f"text_input must hold one string, got {text.size}")
+        raw = text[0]
+        prompt = raw.decode("utf-8", "replace") if isinstance(raw, bytes) else str(raw)
+        max_tokens = self.default_max_tokens
+        given = pb_utils.get_input_tensor_by_name(request, "max_tokens")
+        if given is not None:
+            values = given.as_numpy().reshape(-1)
+            if values.size != 1:
+                raise ValueError(f"max_tokens must hold one number, got {values.size}")
+            max_tokens = int(values[0])
+            if not 1 <= max_tokens <= self.max_tokens_limit:
+                raise ValueError(
+                    f"max_tokens must be between 1 and {self.max_tokens_limit}, got {max_tokens}"
+                )
+        stream = pb_utils.get_input_tensor_by_name(request, "stream")
+        streaming = True if stream is None else bool(stream.as_numpy().reshape(-1)[0])
+        return prompt.split() or ["token"], max_tokens, streaming
+
+    def _stream(self, request, fault: dict, start: float) -> None:
+        sender = request.get_response_sender()
+        final = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
+        try:
+            try:
+                words, max_tokens, streaming = self._read(request)
+            except ValueError as exc:
+                self._fail(sender, f"{self.name}: {exc}", pb_utils.TritonError.INVALID_ARG)
+                return
+            ttft_ms, per_token_ms = fault.get("ttft_ms"), fault.get("per_token_ms")
+            ttft = (self.ttft_ms if ttft_ms is None else float(ttft_ms)) / 1000.0
+            ttft += float(fault.get("extra_latency_ms", 0.0)) / 1000.0
+            per_token = (self.per_token_ms if per_token_ms is None else float(per_token_ms)) / 1000.0
+            error_after = fault.get("error_after_tokens")
+            error_rate = float(fault.get("error_rate", 0.0))
+            text = []
+            for i in range(max_tokens):
+                delay = start + ttft + i * per_token - time.monotonic()
+                if delay > 0:
+                    time.sleep(delay)
+                if request.is_cancelled():  # the client left: stop generating for it
+                    sender.send(flags=final)
+                    return
+                if i == 0 and error_rate > 0 and self.rng.random() < error_rate:
+                    why = f"error_rate={error_rate:g}"
+                elif error_after is not None and i == int(error_after):
+                    why = f"error after {i} tokens"
+                else:
+                    why = ""
+                if why:
+                    self._fail(
+                        sender,
+                        f"{INJECTED} {self.name} version {self.version} ({why})",
+                        pb_utils.TritonError.INTERNAL,
+                    )
+                    return
+                token = words[i % len(words)] + " "
+                if streaming:
+                    sender.send(self._response(token))
+                else:
+                    text.append(token)
+            if not streaming:
+                sender.send(self._response("".join(text)), flags=final)
+            else:
+                sender.send(flags=final)
+        except Exception as exc:  # never leave a stream open: its client would wait forever
+            try:
+                self._fail(sender, f"{self.name}: {type(exc).__name__}: {exc}", pb_utils.TritonError.INTERNAL)
+            except Exception:
+                pass
+        finally:
+            with self.lock:
+                self.threads.discard(threading.current_thread())
+
+    @staticmethod
+    def _response(text: str):
+        out = pb_utils.Tensor("text_output", np.array([text.encode()], dtype=np.object_))
+        return pb_utils.InferenceResponse(output_tensors=[out])
