@@ -41,7 +41,11 @@ COMPOSE_TARGETS = {
     c.JOB_TRITON: f"triton:{c.PORTS['triton_metrics']}",
     c.JOB_GPU_EXPORTER: f"gpu-exporter:{c.PORTS['gpu_exporter']}",
 }
-COMPOSE_ALERTMANAGER = f"alertmanager:{c.PORTS['alertmanager']}"
+# The two clustered Alertmanagers (docker-compose.yml); Prometheus sends every alert to both.
+COMPOSE_ALERTMANAGERS = [
+    f"alertmanager:{c.PORTS['alertmanager']}",
+    f"alertmanager-2:{c.PORTS['alertmanager_2']}",
+]
 COMPOSE_PAGER_URL = f"http://pager:{c.PORTS['pager']}/webhook"
 COMPOSE_RULES_DIR = "/etc/prometheus/rules"  # alert_rules/generated, mounted read-only
 COMPOSE_TOKEN_FILE = "/run/inferwatch/pager-token"  # written by the token-init service
@@ -68,7 +72,7 @@ def compose_prometheus(spec: FleetSpec) -> str:
     cfg = prometheus_config(spec, c.PORTS, rule_paths, host="unused")
     for job in cfg["scrape_configs"]:
         job["static_configs"] = [{"targets": [COMPOSE_TARGETS[job["job_name"]]]}]
-    cfg["alerting"] = {"alertmanagers": [{"static_configs": [{"targets": [COMPOSE_ALERTMANAGER]}]}]}
+    cfg["alerting"] = {"alertmanagers": [{"static_configs": [{"targets": COMPOSE_ALERTMANAGERS}]}]}
     return _dump(cfg)
 
 

@@ -428,6 +428,10 @@ PORTS = {
     "gpu_exporter": 9400,
     "prometheus": 9090,
     "alertmanager": 9093,
+    "alertmanager_2": 9094,  # the HA peer (a second Alertmanager, clustered with the first)
+    # Gossip between the two. Set explicitly: 9094 is Alertmanager's default gossip port.
+    "alertmanager_cluster": 9194,
+    "alertmanager_2_cluster": 9195,
     "pager": 9095,
     "grafana": 3000,
     "vllm": 8100,  # the LLM reference server: OpenAI API and its own /metrics

@@ -29,7 +29,16 @@ DOCKER = ROOT / "deploy" / "docker"
 HEALTHCHECK = DOCKER / "healthcheck.py"
 INFERWATCH_IMAGE = f"inferwatch:{__version__}"
 # Services that keep running (token-init runs once and exits).
-LONG_RUNNING = {"triton", "sidecar", "gpu-exporter", "pager", "prometheus", "alertmanager", "grafana"}
+LONG_RUNNING = {
+    "triton",
+    "sidecar",
+    "gpu-exporter",
+    "pager",
+    "prometheus",
+    "alertmanager",
+    "alertmanager-2",
+    "grafana",
+}
 
 
 def published(service: dict) -> set[int]:
@@ -112,7 +121,7 @@ def test_images_are_pinned(compose_model: dict) -> None:
     # Its digest could not be established (deploy/README.md, "Image digests").
     assert services["triton"]["image"] == "nvcr.io/nvidia/tritonserver:24.10-py3"
     # The other pulled images: the tag and the digest side by side.
-    for name in ("prometheus", "alertmanager", "grafana"):
+    for name in ("prometheus", "alertmanager", "alertmanager-2", "grafana"):
         assert re.fullmatch(r"[\w./-]+:[\w.-]+@sha256:[0-9a-f]{64}", services[name]["image"]), name
     for name in ("sidecar", "gpu-exporter", "pager", "token-init"):
         assert services[name]["image"] == INFERWATCH_IMAGE, name
@@ -144,6 +153,7 @@ def test_ports_agree_with_the_contract(compose_model: dict) -> None:
     assert published(s["sidecar"]) == {p["sidecar_http"], p["sidecar_grpc"]}
     assert published(s["prometheus"]) == {p["prometheus"]}
     assert published(s["alertmanager"]) == {p["alertmanager"]}
+    assert published(s["alertmanager-2"]) == {p["alertmanager_2"]}
     assert published(s["pager"]) == {p["pager"]}
     assert published(s["grafana"]) == {p["grafana"]}
     # Triton is reached through the sidecar only.
@@ -211,7 +221,8 @@ def test_health_checks_and_start_order(compose_model: dict) -> None:
         "sidecar": {"triton": "service_healthy"},
         "pager": {"token-init": "service_completed_successfully"},
         "alertmanager": {"pager": "service_healthy"},
-        "prometheus": {"alertmanager": "service_healthy"},
+        "alertmanager-2": {"pager": "service_healthy"},
+        "prometheus": {"alertmanager": "service_healthy", "alertmanager-2": "service_healthy"},
         "grafana": {"prometheus": "service_healthy"},
     }
     for name, deps in want.items():
@@ -225,6 +236,7 @@ def test_health_checks_and_start_order(compose_model: dict) -> None:
         "pager": contract.PORTS["pager"],
         "prometheus": contract.PORTS["prometheus"],
         "alertmanager": contract.PORTS["alertmanager"],
+        "alertmanager-2": contract.PORTS["alertmanager_2"],
         "grafana": contract.PORTS["grafana"],
     }
     for name, port in port_of.items():
@@ -261,6 +273,39 @@ def _rewrite(text: str, mapping: dict[str, str]) -> str:
     for old, new in mapping.items():
         text = text.replace(old, new)
     return text
+
+
+def test_two_clustered_alertmanagers_get_every_alert(compose_model: dict) -> None:
+    """High availability: each Alertmanager names its web and gossip ports (the contract's;
+    Alertmanager's default gossip port is 9094, the second one's web port) and the other as
+    its peer; both run the same config with their own data; Prometheus sends to both."""
+    s = compose_model["services"]
+    p = contract.PORTS
+
+    def flags(name: str) -> dict[str, list[str]]:
+        out: dict[str, list[str]] = {}
+        for arg in s[name]["command"]:
+            key, _, value = arg.partition("=")
+            out.setdefault(key, []).append(value)
+        return out
+
+    one, two = flags("alertmanager"), flags("alertmanager-2")
+    assert one["--web.listen-address"] == [f":{p['alertmanager']}"]
+    assert two["--web.listen-address"] == [f":{p['alertmanager_2']}"]
+    assert one["--cluster.listen-address"] == [f"0.0.0.0:{p['alertmanager_cluster']}"]
+    assert two["--cluster.listen-address"] == [f"0.0.0.0:{p['alertmanager_2_cluster']}"]
+    assert one["--cluster.peer"] == [f"alertmanager-2:{p['alertmanager_2_cluster']}"]
+    assert two["--cluster.peer"] == [f"alertmanager:{p['alertmanager_cluster']}"]
+    assert s["alertmanager"]["image"] == s["alertmanager-2"]["image"]
+    assert binds(s["alertmanager"]) == binds(s["alertmanager-2"])  # config, templates
+    data = {
+        name: {v["source"] for v in s[name]["volumes"] if v["target"] == "/alertmanager"}
+        for name in ("alertmanager", "alertmanager-2")
+    }
+    assert data == {"alertmanager": {"alertmanager-data"}, "alertmanager-2": {"alertmanager-2-data"}}
+    cfg = yaml.safe_load((DOCKER / "prometheus.yml").read_text())
+    [targets] = [sc["targets"] for am in cfg["alerting"]["alertmanagers"] for sc in am["static_configs"]]
+    assert targets == [f"alertmanager:{p['alertmanager']}", f"alertmanager-2:{p['alertmanager_2']}"]
 
 
 def test_prometheus_config_passes_promtool(compose_model: dict, tmp_path: Path) -> None:

@@ -523,6 +523,13 @@ def test_kube_prometheus_stack_values_match_what_the_manifests_carry(
     assert "exemplar-storage" in values["prometheus"]["prometheusSpec"]["enableFeatures"]
     strategy = values["alertmanager"]["alertmanagerSpec"]["alertmanagerConfigMatcherStrategy"]["type"]
     assert strategy in ("None", "OnNamespaceExceptForAlertmanagerNamespace")
+    # Two clustered Alertmanagers, never both evicted at once, spread over nodes; Prometheus
+    # keeps the chart's discovery of them (every replica behind the Service gets each alert).
+    am = values["alertmanager"]
+    assert am["alertmanagerSpec"]["replicas"] == 2
+    assert am["alertmanagerSpec"]["podAntiAffinity"] in ("soft", "hard")
+    assert am["podDisruptionBudget"] == {"enabled": True, "minAvailable": 1}
+    assert "alertingEndpoints" not in values["prometheus"]["prometheusSpec"]
     sidecar = values["grafana"]["sidecar"]["dashboards"]
     for cm in of_kind(overlay_builds["example"], "ConfigMap"):
         if sidecar["label"] in cm["metadata"].get("labels", {}):

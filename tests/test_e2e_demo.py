@@ -2,13 +2,12 @@
 Triton, sidecar, GPU exporter, Prometheus, Alertmanager and pager; ``inferwatch demo``
 plays its incident on that stack. Each fault must produce exactly its page, nothing may
 page while traffic is healthy, recovery must send resolved notifications, and after
-SIGTERM to ``inferwatch up`` no process may be left."""
+SIGTERM to ``inferwatch up`` no process may be left. (What happens when a component dies:
+tests/test_stack_ha.py.)"""
 
 from __future__ import annotations
 
 import json
-import os
-import signal
 import socket
 import subprocess
 from pathlib import Path
@@ -108,13 +107,3 @@ def test_each_fault_pages_once_and_resolves_and_the_stop_leaves_nothing(
             s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
             s.bind((info.host, port))
     assert "stack stopped; no process left" in local_stack.output_text()
-
-
-def test_a_component_that_dies_takes_the_stack_down_cleanly(local_stack: UpStack) -> None:
-    """A dead part makes a silent, half-working stack: up stops everything and says which."""
-    processes = local_stack.snapshot()
-    os.kill(local_stack.info.pids["gpu-exporter"], signal.SIGKILL)
-    assert local_stack.proc.wait(60) == 1
-    output = local_stack.output_text()
-    assert 'msg="component exited; stopping the stack" component=gpu-exporter code=-9' in output
-    assert [p for p in processes if alive(p)] == []

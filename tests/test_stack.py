@@ -49,8 +49,10 @@ def test_generated_configs_pass_promtool_and_amtool(tmp_path: Path) -> None:
         contract.JOB_TRITON: [f"127.0.0.1:{ports['triton_metrics']}"],
         contract.JOB_GPU_EXPORTER: [f"127.0.0.1:{ports['gpu_exporter']}"],
     }
+    # Prometheus sends every alert to both clustered Alertmanagers.
     assert prom["alerting"]["alertmanagers"][0]["static_configs"][0]["targets"] == [
-        f"127.0.0.1:{ports['alertmanager']}"
+        f"127.0.0.1:{ports['alertmanager']}",
+        f"127.0.0.1:{ports['alertmanager_2']}",
     ]
 
     # The stack keeps the spec it was generated from (the sidecar and the demo read it).
@@ -103,6 +105,34 @@ def test_prometheus_loads_the_rules_of_the_spec_in_use(tmp_path: Path, processes
         assert alerts[name]["labels"]["severity"] == severity
         assert alerts[name]["annotations"]["runbook_url"]
     assert all(g["interval"] == 2 for g in groups)
+
+
+def test_the_two_alertmanagers_gossip_on_ports_of_their_own(tmp_path: Path) -> None:
+    """Alertmanager's default gossip address is 0.0.0.0:9094, the second instance's web
+    port: each instance names its gossip port, on the stack's host, and the other's."""
+    assert contract.PORTS["alertmanager_2"] == 9094
+    stack = prepared(tmp_path)
+    ports = stack.config.ports
+    cmds = {c.name: c.cmd for c in stack.components() if c.cmd[0] == "prometheus-alertmanager"}
+    assert set(cmds) == {"alertmanager", "alertmanager-2"}
+
+    def flag(cmd, name: str) -> str:
+        [value] = [a.split("=", 1)[1] for a in cmd if a.startswith(f"--{name}=")]
+        return value
+
+    for name, web, gossip, peer in (
+        ("alertmanager", "alertmanager", "alertmanager_cluster", "alertmanager_2_cluster"),
+        ("alertmanager-2", "alertmanager_2", "alertmanager_2_cluster", "alertmanager_cluster"),
+    ):
+        assert flag(cmds[name], "web.listen-address") == f"127.0.0.1:{ports[web]}"
+        assert flag(cmds[name], "cluster.listen-address") == f"127.0.0.1:{ports[gossip]}"
+        assert flag(cmds[name], "cluster.peer") == f"127.0.0.1:{ports[peer]}"
+    # Separate data dirs: each instance keeps its own notification log and silences.
+    assert flag(cmds["alertmanager"], "storage.path") != flag(cmds["alertmanager-2"], "storage.path")
+    # On the standard ports nothing collides with the 9094 web port.
+    defaults = StackConfig(spec_path=DEMO_SPEC).ports
+    assert len(set(defaults.values())) == len(defaults)
+    assert (defaults["alertmanager_cluster"], defaults["alertmanager_2_cluster"]) == (9194, 9195)
 
 
 def test_port_overrides_parse_and_refuse_bad_items() -> None:

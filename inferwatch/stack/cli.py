@@ -109,9 +109,13 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def _up(args: argparse.Namespace) -> int:
-    from inferwatch import logs
-    from inferwatch.stack.managed import managed_stack, setup_logging, stack_config, stop_on_signals
-    from inferwatch.stack.supervisor import log_tail
+    from inferwatch.stack.managed import (
+        managed_stack,
+        setup_logging,
+        stack_config,
+        stop_on_signals,
+        supervised,
+    )
     from inferwatch.stack.view import print_summary
 
     config = stack_config(args)
@@ -119,17 +123,10 @@ def _up(args: argparse.Namespace) -> int:
     with stop_on_signals() as stop, managed_stack(config, stop) as (_info, stack):
         assert stack is not None
         print_summary(stack)
+        # A component that dies is restarted with backoff (supervisor.RestartPolicy); one that
+        # keeps dying ends the stack with an error that names it (CliError, exit 1).
         while not stop.wait(1.0):
-            dead = stack.check()
-            if dead is not None:
-                logs.get("inferwatch.stack").error(
-                    "component exited; stopping the stack",
-                    component=dead.component.name,
-                    code=dead.proc.returncode,
-                    log=str(dead.component.log_path),
-                    tail=log_tail(dead.component.log_path, 3),
-                )
-                return 1
+            supervised(stack)
     return 0
 
 
@@ -138,7 +135,13 @@ def _demo(args: argparse.Namespace) -> int:
 
     from inferwatch.stack.demo import Demo, Scenario
     from inferwatch.stack.demo_view import make_reporter, print_results
-    from inferwatch.stack.managed import managed_stack, setup_logging, stack_config, stop_on_signals
+    from inferwatch.stack.managed import (
+        managed_stack,
+        setup_logging,
+        stack_config,
+        stop_on_signals,
+        supervised,
+    )
     from inferwatch.stack.view import console, print_summary
 
     if args.rate <= 0:
@@ -152,7 +155,8 @@ def _demo(args: argparse.Namespace) -> int:
     with stop_on_signals() as stop, managed_stack(config, stop, reuse_running=True) as (info, stack):
         if stack is not None:
             print_summary(stack)
-        demo = Demo(info, info.spec(), scenario, stop)
+        # The demo's own stack is supervised as up's is, from this (the starting) thread.
+        demo = Demo(info, info.spec(), scenario, stop, watch=(lambda: supervised(stack)) if stack else None)
         minutes = demo.expected_seconds() / 60
         if stack is None and minutes > 6:
             console.print(
@@ -172,8 +176,8 @@ def _demo(args: argparse.Namespace) -> int:
         print_results(result)
         if stack is not None and args.keep_running and not stop.is_set():
             console.print(f"the stack keeps running (state under {info.state_dir}); Ctrl-C stops it")
-            while not stop.wait(1.0) and stack.check() is None:
-                pass
+            while not stop.wait(1.0):
+                supervised(stack)
     if result.aborted == "interrupted":
         return 130
     return 0 if result.ok else 1

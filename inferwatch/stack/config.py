@@ -25,7 +25,15 @@ PORT_NAMES = (
     "gpu_exporter",
     "pager",
     "alertmanager",
+    "alertmanager_2",
+    "alertmanager_cluster",
+    "alertmanager_2_cluster",
     "prometheus",
+)
+# The two clustered Alertmanagers: (component name, web port, gossip port, its peer's gossip port).
+ALERTMANAGERS = (
+    ("alertmanager", "alertmanager", "alertmanager_cluster", "alertmanager_2_cluster"),
+    ("alertmanager-2", "alertmanager_2", "alertmanager_2_cluster", "alertmanager_cluster"),
 )
 DEFAULT_PORTS: dict[str, int] = {name: contract.PORTS[name] for name in PORT_NAMES}
 
@@ -38,7 +46,8 @@ def prometheus_config(
     spec: FleetSpec, ports: Mapping[str, int], rule_files: list[Path], host: str = "127.0.0.1"
 ) -> dict:
     """The scrape config: the three jobs of the contract, the spec's intervals, the rules
-    generated from the spec, and the stack's Alertmanager."""
+    generated from the spec, and both of the stack's Alertmanagers (Prometheus sends every
+    alert to each; their gossip makes one notification of it)."""
     interval = duration_seconds(spec.prometheus.scrape_interval)
     # A scrape may not outlast its interval (Prometheus refuses the config otherwise).
     timeout = min(10.0, interval)
@@ -54,7 +63,13 @@ def prometheus_config(
         },
         "rule_files": [str(p) for p in rule_files],
         "alerting": {
-            "alertmanagers": [{"static_configs": [{"targets": [f"{host}:{ports['alertmanager']}"]}]}]
+            "alertmanagers": [
+                {
+                    "static_configs": [
+                        {"targets": [f"{host}:{ports[web]}" for _n, web, _g, _p in ALERTMANAGERS]}
+                    ]
+                }
+            ]
         },
         "scrape_configs": [
             job(contract.JOB_SIDECAR, ports["sidecar_metrics"]),

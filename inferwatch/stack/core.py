@@ -26,7 +26,7 @@ from inferwatch import logs
 from inferwatch.paths import STATE_DIR_ENV, state_dir
 from inferwatch.spec import FleetSpec, SpecError, load_spec
 from inferwatch.stack import config as cfg
-from inferwatch.stack.supervisor import Component, ProcId, Running, Supervisor, alive
+from inferwatch.stack.supervisor import Component, ProcId, RestartPolicy, Running, Supervisor, alive
 
 STACK_FILE = "stack.json"
 SPEC_COPY = "spec.yaml"  # the spec the running stack was generated from
@@ -54,6 +54,7 @@ class StackConfig:
     gpu_backend: str = "auto"  # auto | nvml | simulated
     host: str = "127.0.0.1"
     ready_timeout: float = DEFAULT_READY_TIMEOUT
+    restart: RestartPolicy = field(default_factory=RestartPolicy)
 
 
 @dataclass
@@ -69,6 +70,7 @@ class StackInfo:
     gpu_backend: str
     started_at: float
     pids: dict[str, int] = field(default_factory=dict)
+    restarts: dict[str, int] = field(default_factory=dict)  # by component, since the start
 
     def url(self, port: str, path: str = "") -> str:
         return f"http://{self.host}:{self.ports[port]}{path}"
@@ -80,6 +82,11 @@ class StackInfo:
     @property
     def alertmanager_url(self) -> str:
         return self.url("alertmanager")
+
+    @property
+    def alertmanager_urls(self) -> dict[str, str]:
+        """Each clustered Alertmanager's base URL, by component name."""
+        return {name: self.url(web) for name, web, _g, _p in cfg.ALERTMANAGERS}
 
     @property
     def pager_url(self) -> str:
@@ -121,6 +128,7 @@ class StackInfo:
             "gpu_backend": self.gpu_backend,
             "started_at": self.started_at,
             "pids": self.pids,
+            "restarts": self.restarts,
         }
 
     @classmethod
@@ -134,6 +142,7 @@ class StackInfo:
             gpu_backend=data["gpu_backend"],
             started_at=float(data["started_at"]),
             pids={k: int(v) for k, v in data.get("pids", {}).items()},
+            restarts={k: int(v) for k, v in data.get("restarts", {}).items()},
         )
 
 
@@ -205,7 +214,7 @@ class Stack:
 
     def __init__(self, config: StackConfig, stop_event: threading.Event | None = None) -> None:
         self.config = config
-        self.supervisor = Supervisor(stop_event)
+        self.supervisor = Supervisor(stop_event, config.restart)
         self.info: StackInfo | None = None
         self.spec: FleetSpec | None = None
         self._dir = config.state_dir
@@ -337,19 +346,25 @@ class Stack:
                 url("pager", "/healthz"), log_dir / "pager.log", env, t,
                 url=url("pager", "/"),
             ),
-            Component(
-                "alertmanager",
-                [
-                    "prometheus-alertmanager",
-                    f"--config.file={d / 'generated' / 'alertmanager.yml'}",
-                    f"--storage.path={d / 'alertmanager' / 'data'}",
-                    f"--web.listen-address={h}:{p['alertmanager']}",
-                    f"--web.external-url={url('alertmanager')}",
-                    "--cluster.listen-address=",  # one instance: no gossip port
-                    "--log.format=json",
-                ],
-                url("alertmanager", "/-/ready"), log_dir / "alertmanager.log", {}, t,
-                url=url("alertmanager"),
+            *(
+                Component(
+                    name,
+                    [
+                        "prometheus-alertmanager",
+                        f"--config.file={d / 'generated' / 'alertmanager.yml'}",
+                        f"--storage.path={d / name / 'data'}",
+                        f"--web.listen-address={h}:{p[web]}",
+                        f"--web.external-url={url(web)}",
+                        # Gossip on ports of our own: the default (0.0.0.0:9094) is the second
+                        # instance's web port, and every interface is more than loopback needs.
+                        f"--cluster.listen-address={h}:{p[gossip]}",
+                        f"--cluster.peer={h}:{p[peer]}",
+                        "--log.format=json",
+                    ],
+                    url(web, "/-/ready"), log_dir / f"{name}.log", {}, t,
+                    url=url(web),
+                )
+                for name, web, gossip, peer in cfg.ALERTMANAGERS
             ),
             Component(
                 "prometheus",
@@ -400,14 +415,29 @@ class Stack:
             started_at=started_at,
             pids={r.component.name: r.proc.pid for r in self.supervisor.running},
         )
-        tmp = c.state_dir / (STACK_FILE + ".tmp")
-        tmp.write_text(json.dumps(self.info.to_json(), indent=2))
-        tmp.replace(c.state_dir / STACK_FILE)
+        self._write_info()
         return self.info
+
+    def _write_info(self) -> None:
+        assert self.info is not None
+        tmp = self.config.state_dir / (STACK_FILE + ".tmp")
+        tmp.write_text(json.dumps(self.info.to_json(), indent=2))
+        tmp.replace(self.config.state_dir / STACK_FILE)
 
     def check(self) -> Running | None:
         """A component that exited by itself (the stack is then broken), else None."""
         return self.supervisor.check()
+
+    def supervise(self) -> list[Running]:
+        """Restart what died (supervisor.Supervisor.supervise; raises GaveUp), and keep
+        ``stack.json``'s pids and restart counts current."""
+        changed = self.supervisor.supervise()
+        if changed and self.info is not None:
+            running = self.supervisor.running
+            self.info.pids = {r.component.name: r.proc.pid for r in running}
+            self.info.restarts = {r.component.name: r.restarts for r in running if r.restarts}
+            self._write_info()
+        return changed
 
     def processes(self) -> set[ProcId]:
         """Every process the stack has spawned (and their descendants) seen so far."""

@@ -275,8 +275,16 @@ class Reporter:
 
 
 class Demo:
-    def __init__(self, info: StackInfo, spec: FleetSpec, scenario: Scenario, stop: threading.Event) -> None:
+    def __init__(
+        self,
+        info: StackInfo,
+        spec: FleetSpec,
+        scenario: Scenario,
+        stop: threading.Event,
+        watch: Callable[[], None] | None = None,
+    ) -> None:
         self.info = info
+        self.watch = watch  # called between the demo's waits: the stack's supervision round
         self.spec = spec
         self.sc = scenario
         self.stop_event = stop
@@ -362,6 +370,8 @@ class Demo:
                 self.result.aborted = f"the demo's traffic stopped: {self.traffic.error or 'unknown reason'}"
                 return False
             self.reporter.tick()
+            if self.watch is not None:
+                self.watch()
             self.stop_event.wait(min(0.5, max(0.0, end - time.time())))
         return True
 

@@ -14,7 +14,7 @@ from pathlib import Path
 from inferwatch import logs
 from inferwatch.cli import CliError
 from inferwatch.stack.core import Stack, StackConfig, StackError, StackInfo, running_stack
-from inferwatch.stack.supervisor import StartError
+from inferwatch.stack.supervisor import GaveUp, StartError
 
 log = logs.get("inferwatch.stack")
 
@@ -108,6 +108,15 @@ def managed_stack(
         yield info, stack
     finally:
         stop_stack(stack)
+
+
+def supervised(stack: Stack) -> None:
+    """One round of the stack's supervision; a component that keeps failing is a CliError
+    (the managed stack then stops everything on the way out)."""
+    try:
+        stack.supervise()
+    except GaveUp as exc:
+        raise CliError(str(exc)) from None
 
 
 def stop_stack(stack: Stack) -> None:

@@ -1,5 +1,5 @@
-"""A small process supervisor: ordered start with readiness gates, and a stop that
-leaves nothing behind.
+"""A small process supervisor: ordered start with readiness gates, restarts with backoff,
+and a stop that leaves nothing behind.
 
 Why not honcho or supervisord: honcho starts everything at once and has no readiness
 gate, so Prometheus would start scraping (and Alertmanager delivering) before their
@@ -9,6 +9,11 @@ each component's health endpoint, put each in its own process group, and on stop
 terminate every process it ever spawned, including grandchildren that left the group
 (the Triton launcher runs ``tritonserver`` as its own child). That is what this module
 does, on ``subprocess`` and ``/proc``, in one place that tests exercise directly.
+
+Once everything is up, ``supervise()`` (called periodically by the thread that started
+the components) restarts a component that died, after a backoff that doubles with each
+failure in a row, and gives up (``GaveUp``) when one has failed too many times in a row:
+a crash loop is a broken stack, and saying so beats restarting it forever.
 """
 
 from __future__ import annotations
@@ -35,6 +40,28 @@ ProcId = tuple[int, int]
 
 class StartError(Exception):
     """A component that could not be started or did not become ready; one line."""
+
+
+class GaveUp(Exception):
+    """A component kept failing after restarts; the stack must stop. One line."""
+
+
+@dataclass(frozen=True)
+class RestartPolicy:
+    """How a component that died is restarted.
+
+    A failure is an exit, or a restart that exits or is not ready in time. The n-th failure
+    in a row waits ``backoff_s * 2**(n-1)`` (at most ``backoff_max_s``) before the restart;
+    the failure after ``max_restarts`` restarts in a row gives up. A component that stays
+    ready for ``stable_s`` has its count of failures in a row cleared."""
+
+    backoff_s: float = 1.0
+    backoff_max_s: float = 30.0
+    max_restarts: int = 5
+    stable_s: float = 60.0
+
+    def delay(self, failures: int) -> float:
+        return min(self.backoff_max_s, self.backoff_s * 2 ** max(0, failures - 1))
 
 
 @dataclass
@@ -109,12 +136,21 @@ def _signal(proc_id: ProcId, sig: int) -> None:
             pass
 
 
+UP, BACKOFF, RESTARTING = "up", "backoff", "restarting"
+
+
 @dataclass
 class Running:
     component: Component
     proc: subprocess.Popen
     # Every process ever seen in this component's family; what stop() must see gone.
     seen: set[ProcId] = field(default_factory=set)
+    state: str = UP
+    since: float = field(default_factory=time.monotonic)  # entered ``state`` at
+    restarts: int = 0  # restarts started since the stack started
+    failures: int = 0  # failures in a row (cleared once stable)
+    restart_at: float = 0.0  # monotonic time of the next restart, in BACKOFF
+    last_failure: str = ""
 
     def snapshot(self, table: Mapping[int, tuple[int, int, int, int]] | None = None) -> None:
         self.seen |= family(self.proc.pid, table)
@@ -132,22 +168,15 @@ class Supervisor:
     """Starts components in order, each in its own session (so its process group is its
     own, and a Ctrl-C on the terminal reaches only us), and stops them in reverse."""
 
-    def __init__(self, stop_event: threading.Event | None = None) -> None:
+    def __init__(
+        self, stop_event: threading.Event | None = None, policy: RestartPolicy | None = None
+    ) -> None:
         self.running: list[Running] = []
         self.stop_event = stop_event or threading.Event()
+        self.policy = policy or RestartPolicy()
 
     def start(self, component: Component) -> Running:
-        component.log_path.parent.mkdir(parents=True, exist_ok=True)
-        with open(component.log_path, "ab") as out:
-            proc = subprocess.Popen(
-                # SIGTERM when the stack's process dies without stopping it (SIGKILL, a crash)
-                die_with_parent(list(component.cmd)),
-                stdin=subprocess.DEVNULL,
-                stdout=out,
-                stderr=subprocess.STDOUT,
-                env={**os.environ, **component.env},
-                start_new_session=True,
-            )
+        proc = self._spawn(component)
         running = Running(component, proc)
         running.snapshot()
         self.running.append(running)
@@ -200,6 +229,106 @@ class Supervisor:
                 return running
             running.snapshot(table)
         return None
+
+    def _spawn(self, component: Component) -> subprocess.Popen:
+        component.log_path.parent.mkdir(parents=True, exist_ok=True)
+        with open(component.log_path, "ab") as out:
+            return subprocess.Popen(
+                # SIGTERM when the stack's process dies without stopping it (SIGKILL, a crash)
+                die_with_parent(list(component.cmd)),
+                stdin=subprocess.DEVNULL,
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                env={**os.environ, **component.env},
+                start_new_session=True,
+            )
+
+    def supervise(self, now: float | None = None) -> list[Running]:
+        """One round of supervision: restart what died (after its backoff), watch restarts
+        become ready. Returns the components whose process changed or became ready this
+        round; raises GaveUp when one failed again after ``policy.max_restarts`` restarts
+        in a row. Call it from the thread that started the components (die_with_parent)."""
+        now = time.monotonic() if now is None else now
+        table = process_table()
+        changed = []
+        for running in self.running:
+            comp = running.component
+            code = running.proc.poll()
+            if running.state == UP:
+                if code is not None:
+                    self._failed(running, f"exited with code {code}", now)
+                    changed.append(running)
+                    continue
+                running.snapshot(table)
+                if running.failures and now - running.since >= self.policy.stable_s:
+                    running.failures = 0  # stable again: the next failure starts the backoff afresh
+            elif running.state == BACKOFF and now >= running.restart_at:
+                running.proc = self._spawn(comp)
+                running.restarts += 1
+                running.state, running.since = RESTARTING, now
+                running.snapshot(table)
+                log.warning(
+                    "restarting", component=comp.name, pid=running.proc.pid, restarts=running.restarts
+                )
+                changed.append(running)
+            elif running.state == RESTARTING:
+                if code is not None:
+                    self._failed(running, f"exited with code {code} while restarting", now)
+                elif self._ready(comp):
+                    running.state, running.since = UP, now
+                    running.snapshot()
+                    log.warning(
+                        "restarted",
+                        component=comp.name,
+                        pid=running.proc.pid,
+                        restarts=running.restarts,
+                        seconds=f"{now - running.restart_at:.1f}",
+                    )
+                    changed.append(running)
+                elif now - running.since > comp.ready_timeout:
+                    self._failed(running, f"not ready {comp.ready_timeout:.0f}s after its restart", now)
+                else:
+                    running.snapshot(table)
+        return changed
+
+    def _ready(self, comp: Component) -> bool:
+        try:
+            return httpx.get(comp.ready_url, timeout=1.0, trust_env=False).status_code == 200
+        except httpx.HTTPError:
+            return False
+
+    def _failed(self, running: Running, what: str, now: float) -> None:
+        """Count a failure; schedule the restart, or raise GaveUp past the limit."""
+        comp = running.component
+        # What the process left (grandchildren holding its ports) goes before a restart; a
+        # restart that is not ready in time is still running, and is stopped here too.
+        self.stop_one(running, 5.0)
+        running.failures += 1
+        tail = log_tail(comp.log_path, 3)
+        running.last_failure = f"{what}; its log {comp.log_path} ends: {tail or '(empty)'}"
+        if running.failures > self.policy.max_restarts:
+            log.error(
+                "component keeps failing; giving up",
+                component=comp.name,
+                failures=running.failures,
+                reason=what,
+                tail=tail,
+            )
+            raise GaveUp(
+                f"{comp.name} failed {running.failures} times in a row ({self.policy.max_restarts} restarts "
+                f"with backoff did not keep it up), the stack stops: last {running.last_failure}"
+            )
+        delay = self.policy.delay(running.failures)
+        running.state, running.since, running.restart_at = BACKOFF, now, now + delay
+        log.warning(
+            "component exited; restarting",
+            component=comp.name,
+            reason=what,
+            failures_in_a_row=running.failures,
+            restart_in=f"{delay:g}s",
+            log=str(comp.log_path),
+            tail=tail,
+        )
 
     def stop_one(self, running: Running, timeout: float = 15.0) -> list[ProcId]:
         """SIGTERM the component's process group, SIGKILL it after ``timeout``; then end any
