@@ -19,6 +19,7 @@ ALERT_DASHBOARDS: dict[str, tuple[str, dict[str, str] | None]] = {
     c.ALERT_GPU_XID_ERRORS: (urls.GPU, None),
     c.ALERT_TARGET_DOWN: (urls.FLEET_OVERVIEW, None),
     c.ALERT_UPSTREAM_DOWN: (urls.FLEET_OVERVIEW, None),
+    **{alert: (urls.LLM_SERVING, _MODEL_VARS) for alert in c.LLM_ALERTS},
 }
 
 

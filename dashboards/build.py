@@ -14,7 +14,7 @@ from typing import Any
 from grafanalib import core as g
 from grafanalib._gen import DashboardEncoder
 
-from dashboards import fleet_overview, gpu, model_detail, urls
+from dashboards import fleet_overview, gpu, llm_serving, model_detail, urls
 from dashboards.tidy import tidy
 from inferwatch.spec import FleetSpec
 
@@ -23,6 +23,7 @@ DASHBOARDS: dict[str, Callable[[FleetSpec], g.Dashboard]] = {
     fleet_overview.NAME: fleet_overview.dashboard,
     model_detail.NAME: model_detail.dashboard,
     gpu.NAME: gpu.dashboard,
+    llm_serving.NAME: llm_serving.dashboard,
 }
 DEFAULT_OUT = Path(__file__).resolve().parent / "generated"
 CONFIGMAP_LABEL = "grafana_dashboard"  # what kube-prometheus-stack's Grafana sidecar watches

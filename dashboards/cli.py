@@ -73,7 +73,7 @@ def register(sub: argparse._SubParsersAction) -> None:
         action="append",
         default=[],
         metavar="NAME",
-        help="render only this dashboard: fleet-overview, model-detail or gpu (repeatable)",
+        help="render only this dashboard: fleet-overview, model-detail, gpu or llm-serving (repeatable)",
     )
     snap.set_defaults(func=_snapshot)
 

@@ -16,10 +16,12 @@ from inferwatch.spec import FleetSpec
 FLEET_OVERVIEW = "fleet-overview"
 MODEL_DETAIL = "model-detail"
 GPU = "gpu"
+LLM_SERVING = "llm-serving"
 TITLES: dict[str, str] = {
     FLEET_OVERVIEW: "inferwatch / Fleet overview",
     MODEL_DETAIL: "inferwatch / Model detail",
     GPU: "inferwatch / GPU",
+    LLM_SERVING: "inferwatch / LLM serving",
 }
 UID_PREFIX = "inferwatch-"
 

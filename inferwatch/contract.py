@@ -23,7 +23,7 @@ class Metric:
     help: str
     labels: tuple[str, ...]
     unit: str = ""
-    source: Literal["sidecar", "gpu_exporter", "dcgm", "triton", "prometheus"] = "sidecar"
+    source: Literal["sidecar", "gpu_exporter", "dcgm", "triton", "vllm", "prometheus"] = "sidecar"
 
     @property
     def exposed(self) -> str:
@@ -40,6 +40,9 @@ L_PROTOCOL = "protocol"  # "http" | "grpc"
 L_CODE = "code"  # HTTP status ("200") or gRPC code name ("UNAVAILABLE")
 L_OUTCOME = "outcome"
 L_UPSTREAM = "upstream"
+L_TOKEN_TYPE = "type"  # on TOKENS_TOTAL: TOKEN_PROMPT or TOKEN_GENERATION
+TOKEN_PROMPT = "prompt"
+TOKEN_GENERATION = "generation"
 
 # dcgm-exporter's labels, spelled as it spells them.
 L_GPU = "gpu"
@@ -121,6 +124,58 @@ UPSTREAM_UP = Metric(
     (L_UPSTREAM,),
 )
 
+# Generative (LLM) serving, DESIGN.md "Generative (LLM) serving". The TTFT and TPOT
+# histograms have a bucket at each model's SLA and 2x it (inferwatch.spec.token_latency_buckets).
+TIME_TO_FIRST_TOKEN = Metric(
+    "inferwatch_time_to_first_token_seconds",
+    "histogram",
+    "Time from the request's first byte to the first event carrying generated content.",
+    (L_MODEL, L_VERSION, L_PROTOCOL),
+    unit="seconds",
+)
+TIME_PER_OUTPUT_TOKEN = Metric(
+    "inferwatch_time_per_output_token_seconds",
+    "histogram",
+    "Per request: (last token - first token) / (output tokens - 1).",
+    (L_MODEL, L_VERSION, L_PROTOCOL),
+    unit="seconds",
+)
+INTER_TOKEN_LATENCY = Metric(
+    "inferwatch_inter_token_latency_seconds",
+    "histogram",
+    "Each gap between two events carrying generated content.",
+    (L_MODEL, L_VERSION, L_PROTOCOL),
+    unit="seconds",
+)
+TOKENS_TOTAL = Metric(
+    "inferwatch_tokens_total",
+    "counter",
+    "Prompt and generation tokens, from the answer's usage where it has one, else counted from its events.",
+    (L_MODEL, L_VERSION, L_PROTOCOL, L_TOKEN_TYPE),
+)
+MODEL_TTFT_SLA = Metric(
+    "inferwatch_model_ttft_sla_seconds",
+    "gauge",
+    "The time-to-first-token SLA the sidecar was configured with for this model.",
+    (L_MODEL,),
+    unit="seconds",
+)
+MODEL_TPOT_SLA = Metric(
+    "inferwatch_model_tpot_sla_seconds",
+    "gauge",
+    "The time-per-output-token SLA the sidecar was configured with for this model.",
+    (L_MODEL,),
+    unit="seconds",
+)
+LLM_SIDECAR_METRICS = (
+    TIME_TO_FIRST_TOKEN,
+    TIME_PER_OUTPUT_TOKEN,
+    INTER_TOKEN_LATENCY,
+    TOKENS_TOTAL,
+    MODEL_TTFT_SLA,
+    MODEL_TPOT_SLA,
+)
+
 SIDECAR_METRICS = (
     REQUESTS_TOTAL,
     REQUEST_DURATION,
@@ -129,6 +184,7 @@ SIDECAR_METRICS = (
     RESPONSE_BYTES,
     MODEL_LATENCY_SLA,
     UPSTREAM_UP,
+    *LLM_SIDECAR_METRICS,
 )
 
 # ---------------------------------------------------------------------------------------
@@ -353,6 +409,61 @@ TRITON_METRICS = (
     TRITON_PENDING_REQUESTS,
 )
 
+# ---------------------------------------------------------------------------------------
+# vLLM (scraped from its own /metrics; defined by vLLM 0.32). vLLM labels every series with
+# model_name = its FIRST served name only, whatever name the request used, and engine = the
+# engine index. The rules map model_name to the model label (alert_rules/groups/llm_saturation.py).
+# ---------------------------------------------------------------------------------------
+L_VLLM_MODEL_NAME = "model_name"
+L_VLLM_ENGINE = "engine"
+L_VLLM_FINISHED_REASON = "finished_reason"  # on VLLM_REQUEST_SUCCESS: stop, length, abort, ...
+
+
+def _vllm(name: str, type_: MetricType, help_: str, unit: str = "", extra: tuple[str, ...] = ()) -> Metric:
+    return Metric(name, type_, help_, (L_VLLM_MODEL_NAME, L_VLLM_ENGINE, *extra), unit=unit, source="vllm")
+
+
+VLLM_KV_CACHE_USAGE = _vllm("vllm:kv_cache_usage_perc", "gauge", "KV-cache usage. 1 means 100 percent usage.")
+VLLM_REQUESTS_WAITING = _vllm(
+    "vllm:num_requests_waiting", "gauge", "Number of requests waiting to be processed."
+)
+VLLM_REQUESTS_RUNNING = _vllm(
+    "vllm:num_requests_running", "gauge", "Number of requests in model execution batches."
+)
+VLLM_PREEMPTIONS = _vllm(
+    "vllm:num_preemptions_total", "counter", "Cumulative number of preemption from the engine."
+)
+VLLM_TIME_TO_FIRST_TOKEN = _vllm(
+    "vllm:time_to_first_token_seconds", "histogram", "Histogram of time to first token in seconds.", "seconds"
+)
+VLLM_TIME_PER_OUTPUT_TOKEN = _vllm(
+    "vllm:request_time_per_output_token_seconds",
+    "histogram",
+    "Histogram of time_per_output_token_seconds per request.",
+    "seconds",
+)
+VLLM_PROMPT_TOKENS = _vllm("vllm:prompt_tokens_total", "counter", "Number of prefill tokens processed.")
+VLLM_GENERATION_TOKENS = _vllm(
+    "vllm:generation_tokens_total", "counter", "Number of generation tokens processed."
+)
+VLLM_REQUEST_SUCCESS = _vllm(
+    "vllm:request_success_total",
+    "counter",
+    "Count of successfully processed requests.",
+    extra=(L_VLLM_FINISHED_REASON,),
+)
+VLLM_METRICS = (
+    VLLM_KV_CACHE_USAGE,
+    VLLM_REQUESTS_WAITING,
+    VLLM_REQUESTS_RUNNING,
+    VLLM_PREEMPTIONS,
+    VLLM_TIME_TO_FIRST_TOKEN,
+    VLLM_TIME_PER_OUTPUT_TOKEN,
+    VLLM_PROMPT_TOKENS,
+    VLLM_GENERATION_TOKENS,
+    VLLM_REQUEST_SUCCESS,
+)
+
 # Series Prometheus itself produces.
 PROM_UP = Metric(
     "up", "gauge", "1 if the last scrape of the target succeeded.", ("job", "instance"), source="prometheus"
@@ -364,7 +475,14 @@ PROMETHEUS_METRICS = (PROM_UP, PROM_ALERTS)
 
 ALL_METRICS: dict[str, Metric] = {
     m.name: m
-    for m in (*SIDECAR_METRICS, *DCGM_METRICS, *GPU_EXPORTER_METRICS, *TRITON_METRICS, *PROMETHEUS_METRICS)
+    for m in (
+        *SIDECAR_METRICS,
+        *DCGM_METRICS,
+        *GPU_EXPORTER_METRICS,
+        *TRITON_METRICS,
+        *VLLM_METRICS,
+        *PROMETHEUS_METRICS,
+    )
 }
 
 
@@ -412,6 +530,26 @@ OTHER_ALERTS = {
     ALERT_GPU_XID_ERRORS: SEVERITY_WARNING,
     ALERT_CANARY_REGRESSION: SEVERITY_WARNING,
 }
+# Generative (LLM) serving: the sidecar's TTFT/TPOT (warning), a TTFT latency SLO per LLM
+# model (burn rates: 14.4x over 1h&5m, 6x over 6h&30m page; 1x over 3d&6h a ticket), and
+# saturation from vLLM's own metrics.
+ALERT_HIGH_TTFT = "InferenceHighTTFT"
+ALERT_HIGH_TPOT = "InferenceHighTPOT"
+ALERT_TTFT_SLO_FAST_BURN = "InferenceTTFTBudgetFastBurn"
+ALERT_TTFT_SLO_SLOW_BURN = "InferenceTTFTBudgetSlowBurn"
+ALERT_LLM_KV_CACHE_SATURATION = "LLMKVCacheSaturation"
+ALERT_LLM_PREEMPTIONS = "LLMPreemptions"
+ALERT_LLM_REQUESTS_QUEUED = "LLMRequestsQueued"
+LLM_ALERTS = {
+    ALERT_HIGH_TTFT: SEVERITY_WARNING,
+    ALERT_HIGH_TPOT: SEVERITY_WARNING,
+    ALERT_TTFT_SLO_FAST_BURN: SEVERITY_CRITICAL,
+    ALERT_TTFT_SLO_SLOW_BURN: SEVERITY_WARNING,
+    ALERT_LLM_KV_CACHE_SATURATION: SEVERITY_INFO,
+    ALERT_LLM_PREEMPTIONS: SEVERITY_WARNING,
+    ALERT_LLM_REQUESTS_QUEUED: SEVERITY_WARNING,
+}
+OTHER_ALERTS |= LLM_ALERTS
 L_CHECK = "check"  # on ALERT_CANARY_REGRESSION: which comparison failed ("errors" or "latency")
 ALL_ALERTS = {**TIERED_ALERTS, **OTHER_ALERTS}
 
@@ -473,7 +611,36 @@ REC_SLO_BUDGET_REMAINING = "model:inferwatch_slo_error_budget:remaining"  # 1 = 
 # canary.min_requests requests (the error ratio) or successful requests (the quantile).
 REC_CANARY_ERROR_RATIO = "model_version:inferwatch_canary_server_errors:ratio"
 REC_CANARY_LATENCY_QUANTILE = "model_version:inferwatch_canary_request_duration_seconds:quantile"
+# Generative (LLM) serving (alert_rules/groups/llm.py, llm_slo.py, llm_saturation.py).
+# TTFT and TPOT quantiles per model and version over alerts.latency.window (label quantile).
+REC_TTFT_QUANTILE = "model_version:inferwatch_time_to_first_token_seconds:quantile"
+REC_TPOT_QUANTILE = "model_version:inferwatch_time_per_output_token_seconds:quantile"
+# Each LLM model's TTFT/TPOT SLA in seconds: the sidecar's gauge, else the spec's default.
+REC_TTFT_SLA = "model:inferwatch_ttft_sla_seconds:effective"
+REC_TPOT_SLA = "model:inferwatch_tpot_sla_seconds:effective"
+# The TTFT latency SLO, only for models with a ttft_slo in the spec: the share of requests
+# whose first token came later than the SLA (label window), the objective, the budget left.
+REC_TTFT_SLO_SLOW_RATIO = "model:inferwatch_ttft_slo_slow:ratio_rate"
+REC_TTFT_SLO_OBJECTIVE = "model:inferwatch_ttft_slo:objective"
+REC_TTFT_SLO_BUDGET_REMAINING = "model:inferwatch_ttft_slo_error_budget:remaining"
+# vLLM's own series with the model label added (model = vLLM's model_name, its first served
+# name); every other label kept, so these are per engine (instance, engine).
+REC_VLLM_KV_CACHE_USAGE = "model_engine:vllm_kv_cache_usage:ratio"
+REC_VLLM_REQUESTS_WAITING = "model_engine:vllm_requests_waiting:count"
+REC_VLLM_REQUESTS_RUNNING = "model_engine:vllm_requests_running:count"
+REC_VLLM_PREEMPTIONS_RATE = "model_engine:vllm_preemptions:rate"  # over alerts.latency.window
 RECORDING_RULES = (
+    REC_TTFT_QUANTILE,
+    REC_TPOT_QUANTILE,
+    REC_TTFT_SLA,
+    REC_TPOT_SLA,
+    REC_TTFT_SLO_SLOW_RATIO,
+    REC_TTFT_SLO_OBJECTIVE,
+    REC_TTFT_SLO_BUDGET_REMAINING,
+    REC_VLLM_KV_CACHE_USAGE,
+    REC_VLLM_REQUESTS_WAITING,
+    REC_VLLM_REQUESTS_RUNNING,
+    REC_VLLM_PREEMPTIONS_RATE,
     REC_REQUEST_RATE,
     REC_SERVER_ERROR_RATIO,
     REC_LATENCY_QUANTILE,

@@ -8,6 +8,7 @@ errors: a typo must not silently fall back to a default.
 from __future__ import annotations
 
 import re
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Annotated, Literal
 
@@ -81,15 +82,27 @@ class Slo(_Strict):
     period: Duration = "30d"
 
 
+# An LLM's SLAs (time to first token, time per output token) in milliseconds; finite.
+TokenSlaMs = Annotated[float, Field(gt=0, allow_inf_nan=False)]
+
+
 class Model(_Strict):
     name: Name
     latency_sla_ms: float = Field(gt=0)
     slo: Slo | None = None
     team: str | None = None
+    # LLM models: the defaults' SLAs apply where these are unset.
+    ttft_sla_ms: TokenSlaMs | None = None
+    tpot_sla_ms: TokenSlaMs | None = None
+    # A latency objective on TTFT: the fraction of requests whose first token comes within
+    # ttft_sla_ms. Its burn-rate windows scale with the period like the availability SLO's.
+    ttft_slo: Slo | None = None
 
 
 class Defaults(_Strict):
     latency_sla_ms: float = Field(500.0, gt=0)
+    ttft_sla_ms: TokenSlaMs = 1000.0
+    tpot_sla_ms: TokenSlaMs = 100.0
 
 
 class Prometheus(_Strict):
@@ -217,6 +230,48 @@ class FleetSpec(_Strict):
         """The model's SLA, the spec's default where the model is not listed."""
         model = self.model(name)
         return (model.latency_sla_ms if model else self.defaults.latency_sla_ms) / 1000.0
+
+    def ttft_sla_seconds(self, name: str) -> float:
+        """The model's time-to-first-token SLA, the spec's default where unset."""
+        model = self.model(name)
+        ms = model.ttft_sla_ms if model and model.ttft_sla_ms is not None else self.defaults.ttft_sla_ms
+        return ms / 1000.0
+
+    def tpot_sla_seconds(self, name: str) -> float:
+        """The model's time-per-output-token SLA, the spec's default where unset."""
+        model = self.model(name)
+        ms = model.tpot_sla_ms if model and model.tpot_sla_ms is not None else self.defaults.tpot_sla_ms
+        return ms / 1000.0
+
+
+# The LLM histograms' fixed ladders (seconds): TTFT spans a cached prompt to a long queue;
+# TPOT and inter-token gaps span a fast GPU's ~1 ms to a stalled decode.
+TTFT_BASE_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+TPOT_BASE_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
+
+
+def token_latency_buckets(
+    spec: FleetSpec, kind: Literal["ttft", "tpot"], overrides: Mapping[str, float] | None = None
+) -> tuple[float, ...]:
+    """Bucket bounds of the sidecar's TTFT (``kind="ttft"``) or TPOT and inter-token
+    (``"tpot"``) histograms: the fixed ladder plus every listed model's SLA and the
+    default's, each at 1x, 2x and the latency alert's sla_factor x, so "slower than the
+    SLA" (the TTFT SLO) and "P99 above 2x the SLA" (the warnings) are exact bucket
+    boundaries. ``overrides``: per-model SLAs in seconds on top of the spec's (the
+    sidecar's flags), like ``sidecar.telemetry.histogram_buckets``."""
+    if kind == "ttft":
+        base, per_model, default = TTFT_BASE_BUCKETS, "ttft_sla_ms", spec.defaults.ttft_sla_ms
+    elif kind == "tpot":
+        base, per_model, default = TPOT_BASE_BUCKETS, "tpot_sla_ms", spec.defaults.tpot_sla_ms
+    else:
+        raise ValueError(f"kind must be 'ttft' or 'tpot', not {kind!r}")
+    slas = {m.name: (getattr(m, per_model) or default) / 1000.0 for m in spec.models}
+    slas.update(overrides or {})
+    factor = spec.alerts.latency.sla_factor
+    bounds = set(base)
+    for sla in (*slas.values(), default / 1000.0):
+        bounds.update((round(sla, 6), round(2 * sla, 6), round(factor * sla, 6)))
+    return tuple(sorted(bounds))
 
 
 class SpecError(Exception):

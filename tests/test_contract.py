@@ -11,7 +11,9 @@ from pathlib import Path
 from inferwatch import contract
 
 ROOT = Path(__file__).resolve().parents[1]
-NAME_RE = re.compile(r"(?<![\w:])(inferwatch_[a-z0-9_]+|DCGM_FI_[A-Z0-9_]+|nv_inference_[a-z0-9_]+)(?![\w:])")
+NAME_RE = re.compile(
+    r"(?<![\w:])(inferwatch_[a-z0-9_]+|DCGM_FI_[A-Z0-9_]+|nv_inference_[a-z0-9_]+|vllm:[a-z0-9_]+)(?![\w:])"
+)
 SUFFIXES = ("_bucket", "_sum", "_count", "_created", "_total")
 CODE_SUFFIXES = (".py", ".yaml", ".yml", ".json", ".pbtxt", ".libsonnet")
 
@@ -69,6 +71,20 @@ def test_design_names_are_present() -> None:
         "DCGM_FI_DEV_POWER_USAGE",
         "DCGM_FI_DEV_SM_CLOCK",
         "DCGM_FI_DEV_XID_ERRORS",
+        # Generative (LLM) serving (DESIGN.md), the sidecar's and vLLM's own.
+        "inferwatch_time_to_first_token_seconds",
+        "inferwatch_time_per_output_token_seconds",
+        "inferwatch_inter_token_latency_seconds",
+        "inferwatch_tokens_total",
+        "inferwatch_model_ttft_sla_seconds",
+        "inferwatch_model_tpot_sla_seconds",
+        "vllm:kv_cache_usage_perc",
+        "vllm:num_requests_waiting",
+        "vllm:num_requests_running",
+        "vllm:num_preemptions_total",
+        "vllm:time_to_first_token_seconds",
+        "vllm:prompt_tokens_total",
+        "vllm:generation_tokens_total",
     ):
         assert contract.metric(name).name == name
     assert contract.TIERED_ALERTS == {

@@ -14,7 +14,7 @@ import pytest
 import yaml
 
 from alert_rules import generate
-from alert_rules.config import RulesConfig
+from alert_rules.config import KV_CACHE_THRESHOLD, RulesConfig
 from dashboards import build, live, panels, urls
 from inferwatch import contract as c
 from inferwatch.spec import load_spec, parse_spec
@@ -97,12 +97,13 @@ def test_builds_every_dashboard_and_counts_them() -> None:
         for p in (ROOT / "dashboards").glob("*.py")
         if re.search(r"^def dashboard\(spec: FleetSpec\)", p.read_text(), re.M)
     )
-    assert len(modules) == 3, modules
-    assert len(build.DASHBOARDS) == len(modules) == len(BUILT) == 3
+    assert len(modules) == 4, modules
+    assert len(build.DASHBOARDS) == len(modules) == len(BUILT) == 4
     assert {d["title"] for d in BUILT.values()} == {
         "inferwatch / Fleet overview",
         "inferwatch / Model detail",
         "inferwatch / GPU",
+        "inferwatch / LLM serving",
     }
     for name, dash in BUILT.items():
         assert dash["uid"] == urls.uid(name)
@@ -239,6 +240,7 @@ def test_variables_work_for_provisioning_and_import() -> None:
         urls.FLEET_OVERVIEW: {"datasource", "namespace", "model", "version", "host"},
         urls.MODEL_DETAIL: {"datasource", "namespace", "model", "version"},
         urls.GPU: {"datasource", "host", "gpu", "namespace"},
+        urls.LLM_SERVING: {"datasource", "namespace", "model", "version"},
     }
     for name, dash in BUILT.items():
         variables = {v["name"]: v for v in dash["templating"]["list"]}
@@ -488,6 +490,9 @@ THRESHOLD_PANELS = {
     (urls.MODEL_DETAIL, "P50 and P99 latency by version"): c.ALERT_HIGH_P99_LATENCY,
     (urls.FLEET_OVERVIEW, "GPU framebuffer used by GPU"): c.ALERT_GPU_MEMORY_PRESSURE,
     (urls.GPU, "Framebuffer used / total"): c.ALERT_GPU_MEMORY_PRESSURE,
+    (urls.LLM_SERVING, "Time to first token: $model"): c.ALERT_HIGH_TTFT,
+    (urls.LLM_SERVING, "Time per output token: $model"): c.ALERT_HIGH_TPOT,
+    (urls.LLM_SERVING, "KV-cache usage"): c.ALERT_LLM_KV_CACHE_SATURATION,
 }
 VAR_MATCHER_RE = re.compile(r'(,\s*)?\w+=~"\$\w+"')
 UNVERSIONED_RE = re.compile(r'label_replace\((.*), "version", "default", "version", ""\)', re.S)
@@ -514,7 +519,7 @@ def test_each_threshold_panel_queries_its_alerts_expression() -> None:
 
     # Every panel with an alert's threshold line (or an "Nx SLA" line) is in the table.
     factor_line = f"{cfg.latency_factor:g}x SLA"
-    alert_values = {cfg.error_threshold, cfg.gpu_threshold, cfg.latency_factor}
+    alert_values = {cfg.error_threshold, cfg.gpu_threshold, cfg.latency_factor, KV_CACHE_THRESHOLD}
     drawn = {
         (name, panel["title"])
         for name, dash in BUILT.items()
@@ -558,6 +563,22 @@ def test_each_threshold_panel_queries_its_alerts_expression() -> None:
     assert list(exprs(urls.GPU, "Framebuffer used / total").values()) == [
         f"max by (Hostname, gpu) ({gpu_lhs})"
     ]
+
+    # LLM: TTFT and TPOT as the latency warning (recorded quantile > factor x recorded SLA); the
+    # KV cache as the info alert (the recorded usage above its threshold).
+    for alertname, title, sla in (
+        (c.ALERT_HIGH_TTFT, "Time to first token: $model", c.REC_TTFT_SLA),
+        (c.ALERT_HIGH_TPOT, "Time per output token: $model", c.REC_TPOT_SLA),
+    ):
+        lhs, rhs = alert[alertname].split(f"\n> on ({c.L_MODEL}) group_left ()\n")
+        assert rhs == f"({cfg.latency_factor:g} * {sla})"
+        drawn_exprs = exprs(urls.LLM_SERVING, title)
+        assert drawn_exprs[f"{q} version {{{{version}}}}"] == lhs
+        assert drawn_exprs[factor_line] == rhs and drawn_exprs["SLA"] == sla
+    kv_lhs, kv_threshold = alert[c.ALERT_LLM_KV_CACHE_SATURATION].split(" > ")
+    assert float(kv_threshold) == KV_CACHE_THRESHOLD
+    assert list(exprs(urls.LLM_SERVING, "KV-cache usage").values()) == [kv_lhs]
+    assert _steps(_panel(BUILT[urls.LLM_SERVING], "KV-cache usage"))[-1] == KV_CACHE_THRESHOLD
 
 
 def test_the_panel_expression_check_sees_a_drifted_panel() -> None:

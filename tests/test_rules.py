@@ -42,6 +42,9 @@ def test_promtool_check_rules_passes_on_every_generated_file() -> None:
             "slo.rules.yml",
             "health.rules.yml",
             "canary.rules.yml",
+            "llm.rules.yml",
+            "llm_slo.rules.yml",
+            "llm_saturation.rules.yml",
         ]
     )
     proc = run(["promtool", "check", "rules", *map(str, files)])

@@ -7,9 +7,9 @@
 from __future__ import annotations
 
 from alert_rules.config import AlertTiming, RulesConfig
-from alert_rules.groups import canary, errors, gpu, health, latency, slo
+from alert_rules.groups import canary, errors, gpu, health, latency, llm, llm_saturation, llm_slo, slo
 
-GROUPS = (errors, latency, gpu, slo, health, canary)
+GROUPS = (errors, latency, gpu, slo, health, canary, llm, llm_slo, llm_saturation)
 
 TIMED = (errors, latency, gpu)
 
