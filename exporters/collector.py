@@ -41,6 +41,9 @@ CALL_STALLED = "stalled"  # a GPU's previous reads are still hung; not read agai
 CALL_INIT = "nvmlInit"
 CALL_POD_RESOURCES = "podresources.List"  # the kubelet's pod-resources API
 XID_GPU_LOST = 79  # "GPU has fallen off the bus": the GPU needs the backend re-initialized
+# Failed reads in a row before a GPU counts as down for recovery: one slow scrape is no reason
+# to restart NVML (its gauge, inferwatch_gpu_up, still says 0 at once).
+DOWN_AFTER_FAILED_READS = 2
 UNSUPPORTED_RECHECK_S = 300.0  # an unsupported call is asked again after this long
 
 
@@ -170,8 +173,10 @@ class GpuSource:
         self._stop = threading.Event()
         self._threads: list[threading.Thread] = []
         self._swap = threading.Lock()
-        # last read outcome per GPU of the current backend (True: values came back)
+        # last read outcome per GPU of the current backend (True: values came back), and how
+        # many reads in a row failed
         self._gpu_ok: dict[int, bool] = {}
+        self._failed_reads: dict[int, int] = {}
         self._lost: set[int] = set()  # GPUs that reported Xid 79 since the backend started
         self.processes = ProcessAttributor(
             self._list_processes,
@@ -247,7 +252,7 @@ class GpuSource:
         ready = Ready(backend, make, tuple(devices), guards, labels, failed, fallback)
         with self._swap:
             old = self.ready
-            self._gpu_ok = {}
+            self._gpu_ok, self._failed_reads = {}, {}
             self._lost = set()
             self.ready = ready
             self.dcgm_labels = self._dcgm_labels(ready, self._allocations)
@@ -324,18 +329,20 @@ class GpuSource:
         with self._swap:
             if self.ready is ready:
                 self._gpu_ok.update(ok)
+                for i, good in ok.items():
+                    self._failed_reads[i] = 0 if good else self._failed_reads.get(i, 0) + 1
 
     def gpu_up(self, index: int) -> bool:
         return self._gpu_ok.get(index, True) and index not in self._lost
 
     def down_gpus(self, ready: Ready | None = None) -> list[int]:
         """GPUs of the current backend that are down: not opened at start, reads that returned
-        nothing on the last scrape, or Xid 79."""
+        nothing on the last scrapes, or Xid 79."""
         ready = ready or self.ready
         if ready is None:
             return []
         down = {f.index for f in ready.failed} | set(self._lost)
-        down |= {i for i, ok in self._gpu_ok.items() if not ok}
+        down |= {i for i, n in self._failed_reads.items() if n >= DOWN_AFTER_FAILED_READS}
         return sorted(down)
 
     def up(self) -> bool:
@@ -421,7 +428,12 @@ class GpuSource:
             "backend": self.label,
             "backend_up": self.up(),
             "gpus": len(ready.devices) if ready else 0,
-            "gpus_down": self.down_gpus(ready),
+            # as inferwatch_gpu_up says: not opened, Xid 79, or the last read failed
+            "gpus_down": sorted(
+                [f.index for f in ready.failed] + [d.index for d in ready.devices if not self.gpu_up(d.index)]
+            )
+            if ready
+            else [],
             "driver_version": getattr(ready.backend, "driver_version", "") if ready else "",
             # False: NVML lists no processes from this PID namespace (needs hostPID: true)
             "host_pid_namespace": self.host_pid,

@@ -221,7 +221,9 @@ def test_6_a_driver_reload_is_reported_then_recovered() -> None:
         fams = exp.scrape()
         assert c.DCGM_GPU_UTIL.name not in fams
         assert [s.value for s in fams[c.GPU_BACKEND_UP.name].samples] == [0]  # not 1 any more
-        wait_for(lambda: "Driver Not Loaded" in (health(exp)["error"] or ""), what="the reload to show")
+        assert health(exp)["gpus_down"] == [0, 1]
+        # the next scrape fails too: now the supervisor restarts NVML, which answers DRIVER_NOT_LOADED
+        wait_for(lambda: exp.scrape() and "Driver Not Loaded" in (health(exp)["error"] or ""), what="reload")
         assert health(exp)["backend_up"] is False
         nvml.load()
         wait_for(lambda: health(exp)["backend_up"], what="recovery")
@@ -241,7 +243,7 @@ def test_6_a_gpu_lost_mid_run_gets_the_backend_reinitialized() -> None:
         fams = exp.scrape()
         assert by_gpu(fams, c.GPU_UP.name) == {"0": 1, "1": 0}
         assert set(by_gpu(fams, c.DCGM_GPU_UTIL.name)) == {"0"}
-        wait_for(lambda: health(exp)["gpus"] == 1, what="re-discovery without the lost GPU")
+        wait_for(lambda: exp.scrape() and health(exp)["gpus"] == 1, what="re-discovery without the lost GPU")
         nvml.lost.clear()  # the GPU is back (reset)
         wait_for(lambda: health(exp)["gpus"] == 2, what="re-discovery of the GPU that came back")
         assert set(by_gpu(exp.scrape(), c.DCGM_GPU_UTIL.name)) == {"0", "1"}
