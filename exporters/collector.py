@@ -324,13 +324,18 @@ class GpuSource:
             self._lost.add(gpu)
 
     # -- health and recovery --------------------------------------------------------------
-    def note_reads(self, ready: Ready, ok: dict[int, bool]) -> None:
-        """The collector's last read outcome per GPU (ignored if the backend changed since)."""
+    def note_reads(self, ready: Ready, ok: dict[int, bool], hung: frozenset[int] = frozenset()) -> None:
+        """The collector's last read outcome per GPU (ignored if the backend changed since).
+
+        A read still hung in the driver makes its GPU not up, but does not count towards
+        re-initializing: shutting NVML down under a thread blocked inside it is not safe, and a
+        new instance would not unblock the call anyway."""
         with self._swap:
             if self.ready is ready:
                 self._gpu_ok.update(ok)
                 for i, good in ok.items():
-                    self._failed_reads[i] = 0 if good else self._failed_reads.get(i, 0) + 1
+                    if i not in hung:
+                        self._failed_reads[i] = 0 if good else self._failed_reads.get(i, 0) + 1
 
     def gpu_up(self, index: int) -> bool:
         return self._gpu_ok.get(index, True) and index not in self._lost
@@ -471,6 +476,7 @@ class GpuCollector(Collector):
         self._lock = threading.Lock()
         self._calls: PerGpuCalls | None = None
         self._calls_for: Ready | None = None
+        self._hung: frozenset[int] = frozenset()  # GPUs whose last read timed out or stalled
         if registry is not None:
             registry.register(self)
 
@@ -489,12 +495,14 @@ class GpuCollector(Collector):
             if self._lock.acquire(timeout=self.timeout_s):
                 try:
                     raws = self._read_all(ready)
+                    hung = self._hung
                 finally:
                     self._lock.release()
-            else:  # another scrape holds the GPUs past its own deadline
+            else:  # another scrape holds the GPUs past its own deadline: not the GPUs' failure
                 source.errors.add("concurrent_scrape", NO_GPU)
                 raws = {d.index: None for d in ready.devices}
-            source.note_reads(ready, {i: _has_values(raw) for i, raw in raws.items()})
+                hung = frozenset(raws)
+            source.note_reads(ready, {i: _has_values(raw) for i, raw in raws.items()}, hung)
             dcgm_labels = source.dcgm_labels
             rows = [
                 GpuRow(d.index, ready.labels[d.index], raws[d.index], dcgm_labels.get(d.index))
@@ -543,6 +551,7 @@ class GpuCollector(Collector):
 
     def _read_all(self, ready: Ready) -> dict[int, RawGpu | None]:
         if not ready.backend.may_block:
+            self._hung = frozenset()
             return {d.index: self._read_one(ready, d.index) for d in ready.devices}
         if self._calls_for is not ready:
             # One worker per GPU, at most one read in flight on it: a hung GPU holds only its own.
@@ -555,8 +564,11 @@ class GpuCollector(Collector):
             {d.index: (lambda i=d.index: self._read_one(ready, i)) for d in ready.devices}, self.timeout_s
         )
         out: dict[int, RawGpu | None] = {}
+        hung = set()
         for index, (outcome, raw) in results.items():
             if outcome != DONE:
+                hung.add(index)
                 self.source.errors.add(CALL_STALLED if outcome == STALLED else CALL_TIMEOUT, str(index))
             out[index] = raw
+        self._hung = frozenset(hung)
         return out

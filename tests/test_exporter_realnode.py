@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import os
+import time
 from pathlib import Path
 
 import httpx
@@ -247,6 +248,24 @@ def test_6_a_gpu_lost_mid_run_gets_the_backend_reinitialized() -> None:
         nvml.lost.clear()  # the GPU is back (reset)
         wait_for(lambda: health(exp)["gpus"] == 2, what="re-discovery of the GPU that came back")
         assert set(by_gpu(exp.scrape(), c.DCGM_GPU_UTIL.name)) == {"0", "1"}
+
+
+def test_6_a_hung_gpu_is_reported_down_but_nvml_is_not_restarted_under_it() -> None:
+    nvml = FakeNvml(gpus=2)
+    source = nvml_source(nvml, recheck_s=0.05, retry_initial_s=0.05, retry_max_s=0.2)
+    try:
+        with serve_in_thread(source, FIELDS, timeout_s=0.2) as exp:
+            exp.scrape()
+            nvml.hang("nvmlDeviceGetMemoryInfo", 1)  # blocks inside the driver
+            for _ in range(4):
+                fams = exp.scrape()
+            assert by_gpu(fams, c.GPU_UP.name) == {"0": 1, "1": 0}
+            assert health(exp)["gpus_down"] == [1]
+            time.sleep(0.3)  # several supervisor rounds
+            # shutting NVML down under a blocked call is unsafe and would not unblock it
+            assert nvml.calls.count("nvmlShutdown") == 0 and nvml.init_count == 1
+    finally:
+        nvml.release()
 
 
 def test_6_not_supported_that_comes_back_is_asked_again() -> None:
