@@ -1,0 +1,1 @@
+"""Generative-serving protocol modules of the sidecar: see README.md."""
