@@ -195,8 +195,19 @@ def dashboard(spec: FleetSpec) -> g.Dashboard:
                 "Every alert Prometheus reports as firing at the end of the time range, with its labels. "
                 "Empty means nothing is firing.",
                 f'{c.PROM_ALERTS.name}{{alertstate="firing"}}',
-                # Hostname and gpu name a GPU; UUID, device, instance and job add width, not meaning.
-                hide=("__name__", "alertstate", "instance", "job", c.L_UUID, c.L_DEVICE, c.L_MODEL_NAME),
+                # Hostname and gpu name a GPU; UUID, device, bus id, driver version, instance and job
+                # add width, not meaning.
+                hide=(
+                    "__name__",
+                    "alertstate",
+                    "instance",
+                    "job",
+                    c.L_UUID,
+                    c.L_DEVICE,
+                    c.L_MODEL_NAME,
+                    c.L_PCI_BUS_ID,
+                    c.L_DRIVER_VERSION,
+                ),
                 first=("alertname", "severity", c.L_MODEL, c.L_VERSION, c.L_HOSTNAME, c.L_GPU),
                 w=8,
                 h=8,
