@@ -28,6 +28,7 @@ from alert_rules.alertmanager import render_alertmanager_config  # noqa: E402
 from alert_rules.generate import RULES_HEADER, prometheus_rule, rule_groups  # noqa: E402
 from dashboards import build as dashboards_build  # noqa: E402
 from inferwatch import contract as c  # noqa: E402
+from inferwatch.canary import templates as canary_templates  # noqa: E402
 from inferwatch.spec import FleetSpec, SpecError, load_spec  # noqa: E402
 from inferwatch.stack.config import local_routing, prometheus_config  # noqa: E402
 
@@ -176,7 +177,13 @@ def outputs(spec_path: Path) -> dict[Path, str]:
         K8S / "base/dashboards/dashboards.yaml": lambda: k8s_dashboards(spec),
         K8S / "components/sidecar/fleet.yaml": lambda: k8s_sidecar_spec(spec_path),
     }
-    return {path: make() for path, make in makers.items()}
+    files = {path: make() for path, make in makers.items()}
+    # The canary component (Argo Rollouts AnalysisTemplate, Flagger MetricTemplates) from the
+    # same spec, by the same function as `inferwatch canary --templates DIR`.
+    files.update(
+        {K8S / "components/canary" / name: text for name, text in canary_templates.render(spec).items()}
+    )
+    return files
 
 
 def stale(spec_path: Path) -> list[Path]:
