@@ -11,6 +11,7 @@ from pathlib import Path
 
 import httpx
 import pytest
+import yaml
 
 from inferwatch import contract as c
 from inferwatch.spec import load_spec
@@ -100,3 +101,19 @@ def test_a_models_critical_inhibits_its_ttft_and_saturation_alerts_only(
     for name in warnings:
         assert got[name, "tiny-llm"] == "suppressed", name
         assert got[name, "chat-llm"] == "active", name
+
+
+def test_each_llm_runbook_quotes_its_rule_and_tells_overload_from_a_slow_model() -> None:
+    rules = {
+        r["alert"]: r["expr"]
+        for path in sorted(GENERATED.glob("llm*.rules.yml"))
+        for group in yaml.safe_load(path.read_text())["groups"]
+        for r in group["rules"]
+        if "alert" in r
+    }
+    assert set(rules) == set(c.LLM_ALERTS)
+    for alert, expr in rules.items():
+        text = (ROOT / "alert_rules" / "runbooks" / f"{alert}.md").read_text()
+        assert expr in text, alert
+        assert "**Overload**" in text and "**A slow model**" in text, alert
+        assert c.REC_VLLM_REQUESTS_WAITING in text and c.REC_TPOT_QUANTILE in text, alert
