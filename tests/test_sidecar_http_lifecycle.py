@@ -103,7 +103,12 @@ def test_requests_sent_as_soon_as_triton_is_ready_count_under_their_model(tmp_pa
                     except httpx.HTTPError:
                         return False
 
-                wait_for(triton_ready, 180, "Triton to be ready")
+                def failed() -> bool:
+                    return bool(started) and started[0] is not None
+
+                wait_for(lambda: failed() or triton_ready(), 200, "Triton to be ready")
+                if failed():
+                    raise AssertionError(f"Triton did not start: {started[0]}")
             inputs = []
             for name, array in example_input("ranker", 1, seed=1).items():
                 inp = thttp.InferInput(name, list(array.shape), "FP32")
