@@ -237,26 +237,38 @@ def _fault_list(args: argparse.Namespace) -> int:
 # inferwatch load
 # ---------------------------------------------------------------------------------------
 def _register_load(sub: argparse._SubParsersAction) -> None:
+    from reference_server.defaults import LOAD_PROTOCOLS, VLLM_PORT
+
     p = sub.add_parser(
         "load",
         help="send inference load (open-loop Poisson rate or closed-loop concurrency)",
         description=(
             "Send KServe v2 inference requests with tritonclient to Triton, the sidecar or the naive "
-            "server. --rate sends Poisson arrivals at that rate whatever the server does (open loop; "
-            "latency counts from each request's scheduled time, and the summary says when the sender "
-            "could not keep up); --concurrency keeps that many requests outstanding (closed loop). "
-            "Ends with sent, ok, errors by status, achieved rate and P50/P90/P99/max latency."
+            "server, or token streams: OpenAI-compatible chat or completions (vLLM) or Triton's "
+            "generate_stream, measuring time to first token, time per output token and the gaps "
+            "between tokens on the client side. --rate sends Poisson arrivals at that rate whatever "
+            "the server does (open loop; latency counts from each request's scheduled time, and the "
+            "summary says when the sender could not keep up); --concurrency keeps that many requests "
+            "outstanding (closed loop). Ends with sent, ok, errors by status, achieved rate and "
+            "P50/P90/P99/max latency (and TTFT, TPOT and token counts for token streams)."
         ),
-        epilog="example: inferwatch load --url 127.0.0.1:8001 --protocol grpc --rate 50 --duration 30 "
-        "--model ranker:1=9 --model ranker:2=1",
+        epilog="examples: inferwatch load --url 127.0.0.1:8001 --protocol grpc --rate 50 --duration 30 "
+        "--model ranker:1=9 --model ranker:2=1;  inferwatch load --protocol openai --rate 4 "
+        "--prompt-tokens 16-64 --output-tokens normal:64:16 --model tiny-llm=9 --model tiny-llm-canary=1",
     )
     p.add_argument(
         "--url",
         default=None,
-        help=f"HOST:PORT (default: 127.0.0.1:{contract.PORTS['triton_http']} for http, "
-        f":{contract.PORTS['triton_grpc']} for grpc)",
+        help=f"HOST:PORT (default: 127.0.0.1:{contract.PORTS['triton_http']} for http and triton-generate, "
+        f":{contract.PORTS['triton_grpc']} for grpc, :{VLLM_PORT} for openai)",
     )
-    p.add_argument("--protocol", choices=("http", "grpc"), default="http", help="default: %(default)s")
+    p.add_argument(
+        "--protocol",
+        choices=LOAD_PROTOCOLS,
+        default="http",
+        help="KServe v2 tensors (http, grpc), the OpenAI-compatible API (openai) or Triton's "
+        "generate endpoints (triton-generate) (default: %(default)s)",
+    )
     mode = p.add_mutually_exclusive_group(required=True)
     mode.add_argument("--rate", type=float, help="open loop: requests per second (Poisson arrivals)")
     mode.add_argument("--concurrency", type=int, help="closed loop: requests kept outstanding")
@@ -266,9 +278,40 @@ def _register_load(sub: argparse._SubParsersAction) -> None:
         action="append",
         default=None,
         metavar="NAME[:VERSION][=WEIGHT]",
-        help="a model to send to, repeatable for a mix (default: dense_batched)",
+        help="a model to send to, repeatable for a mix (default: dense_batched; openai: a served name, "
+        "default tiny-llm; triton-generate: tiny_stream)",
     )
     p.add_argument("--batch", type=int, default=1, help="rows per request (default: %(default)s)")
+    llm = p.add_argument_group("token streams (openai, triton-generate)")
+    llm.add_argument(
+        "--no-stream",
+        dest="stream",
+        action="store_false",
+        help="one answer per request instead of server-sent events (no TTFT or TPOT then)",
+    )
+    llm.add_argument(
+        "--endpoint",
+        choices=("chat", "completions"),
+        default="chat",
+        help="openai: /v1/chat/completions or /v1/completions (default: %(default)s)",
+    )
+    llm.add_argument(
+        "--prompt-tokens",
+        default="32",
+        metavar="N|A-B|normal:MEAN:SD",
+        help="prompt length in words (about one token each), fixed, uniform or normal (default: %(default)s)",
+    )
+    llm.add_argument(
+        "--output-tokens",
+        default="64",
+        metavar="N|A-B|normal:MEAN:SD",
+        help="max_tokens of each request, fixed, uniform or normal (default: %(default)s)",
+    )
+    llm.add_argument(
+        "--ignore-eos",
+        action="store_true",
+        help="openai: ask vLLM to generate max_tokens whatever the model says (vLLM's ignore_eos)",
+    )
     p.add_argument(
         "--max-in-flight",
         type=int,
@@ -284,7 +327,16 @@ def _register_load(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=_load)
 
 
-def _check_reachable(url: str, protocol: str) -> None:
+def _check_reachable(url: str, protocol: str, targets: list) -> None:
+    if protocol in ("openai", "triton-generate"):
+        from reference_server.loadgen import LoadError
+        from reference_server.stream_load import check_served
+
+        try:
+            check_served(url, protocol, targets)
+        except LoadError as exc:
+            raise CliError(str(exc)) from None
+        return
     try:
         if protocol == "http":
             import tritonclient.http as client_mod
@@ -319,20 +371,35 @@ def _format_summary(s) -> str:
     if len(s.by_target) > 1:
         for label, c in sorted(s.by_target.items()):
             lines.append(f"  {label}: sent {c.get('sent', 0)}, ok {c.get('ok', 0)}")
+    if s.protocol in ("openai", "triton-generate"):
+        from reference_server.stream_load import token_lines
+
+        lines += token_lines(s)
     lines += [f"WARNING: {w}" for w in s.warnings]
     return "\n".join(lines)
 
 
 def _load(args: argparse.Namespace) -> int:
+    from reference_server.defaults import VLLM_PORT
     from reference_server.loadgen import LoadConfig, LoadError, Target, run_load
 
-    port = contract.PORTS["triton_http" if args.protocol == "http" else "triton_grpc"]
+    port = {"grpc": contract.PORTS["triton_grpc"], "openai": VLLM_PORT}.get(
+        args.protocol, contract.PORTS["triton_http"]
+    )
     url = args.url or f"127.0.0.1:{port}"
+    default_model = {"openai": "tiny-llm", "triton-generate": "tiny_stream"}.get(
+        args.protocol, "dense_batched"
+    )
     try:
         config = LoadConfig(
             url=url,
             protocol=args.protocol,
-            targets=[Target.parse(m) for m in (args.model or ["dense_batched"])],
+            targets=[Target.parse(m, args.protocol) for m in (args.model or [default_model])],
+            stream=args.stream,
+            endpoint=args.endpoint,
+            prompt_tokens=args.prompt_tokens,
+            output_tokens=args.output_tokens,
+            ignore_eos=args.ignore_eos,
             rate=args.rate,
             concurrency=args.concurrency,
             duration=args.duration,
@@ -345,7 +412,7 @@ def _load(args: argparse.Namespace) -> int:
             raise LoadError("--max-in-flight must be at least 1")
     except LoadError as exc:
         raise CliError(str(exc), 2) from None
-    _check_reachable(url, args.protocol)
+    _check_reachable(url, args.protocol, list(config.targets))
 
     if args.json or not sys.stdout.isatty():
         summary = run_load(config)

@@ -34,11 +34,16 @@ from typing import Literal
 import numpy as np
 
 from reference_server import catalog
+from reference_server.defaults import LOAD_PROTOCOLS, STREAM_PROTOCOLS
 
-Protocol = Literal["http", "grpc"]
+Protocol = Literal["http", "grpc", "openai", "triton-generate"]
+# Token streams (openai, triton-generate) are measured by reference_server/stream_load.py.
+PROTOCOLS = LOAD_PROTOCOLS
 LATE_AFTER_S = 0.010  # an open-loop request leaving later than this after its slot counts as late
 LATE_TOLERANCE = 0.01  # up to 1% late requests still counts as keeping up
 _TARGET = re.compile(r"^(?P<model>[A-Za-z0-9_.-]+)(?::(?P<version>[0-9]+))?(?:=(?P<weight>[0-9.eE+-]+))?$")
+# An OpenAI served name may hold ":" and "/" (e.g. "org/model:tag"); it has no version.
+_SERVED_NAME = re.compile(r"^(?P<model>[^\s=]+)(?:=(?P<weight>[0-9.eE+-]+))?$")
 
 
 class LoadError(ValueError):
@@ -52,29 +57,40 @@ class Target:
     weight: float = 1.0
 
     @classmethod
-    def parse(cls, text: str) -> Target:
-        """``NAME[:VERSION][=WEIGHT]``, e.g. ``ranker:2=0.1``."""
+    def parse(cls, text: str, protocol: str = "http") -> Target:
+        """``NAME[:VERSION][=WEIGHT]``, e.g. ``ranker:2=0.1``: a reference model (a streaming one
+        for ``triton-generate``); for ``openai``, ``SERVED_NAME[=WEIGHT]`` with any served name."""
+        if protocol == "openai":
+            m = _SERVED_NAME.match(text.strip())
+            if not m:
+                raise LoadError(f"model {text!r}: expected SERVED_NAME[=WEIGHT], e.g. tiny-llm=9")
+            return cls(m["model"], "", _weight(text, m["weight"]))
         m = _TARGET.match(text.strip())
         if not m:
             raise LoadError(f"model {text!r}: expected NAME[:VERSION][=WEIGHT], e.g. ranker:2=0.1")
-        try:
-            weight = float(m["weight"]) if m["weight"] else 1.0
-        except ValueError:
-            raise LoadError(f"model {text!r}: weight {m['weight']!r} is not a number") from None
-        if not weight > 0:
-            raise LoadError(f"model {text!r}: weight must be positive")
-        if m["model"] not in catalog.MODELS:
-            raise LoadError(
-                f"model {m['model']!r} is not a reference model ({', '.join(sorted(catalog.MODELS))})"
-            )
+        weight = _weight(text, m["weight"])
+        models = catalog.STREAM_MODELS if protocol == "triton-generate" else catalog.MODELS
+        if m["model"] not in models:
+            kind = "a streaming reference model" if protocol == "triton-generate" else "a reference model"
+            raise LoadError(f"model {m['model']!r} is not {kind} ({', '.join(sorted(models))})")
         version = m["version"] or ""
-        if version and version not in catalog.MODELS[m["model"]].versions:
+        if version and version not in models[m["model"]].versions:
             raise LoadError(f"model {m['model']!r} has no version {version}")
         return cls(m["model"], version, weight)
 
     @property
     def label(self) -> str:
         return f"{self.model}:{self.version}" if self.version else self.model
+
+
+def _weight(text: str, given: str | None) -> float:
+    try:
+        weight = float(given) if given else 1.0
+    except ValueError:
+        raise LoadError(f"model {text!r}: weight {given!r} is not a number") from None
+    if not weight > 0:
+        raise LoadError(f"model {text!r}: weight must be positive")
+    return weight
 
 
 @dataclass
@@ -89,6 +105,12 @@ class LoadConfig:
     max_in_flight: int = 1024  # open loop: beyond this the sender skips (and says so)
     timeout: float = 30.0  # per request, seconds
     seed: int | None = None
+    # Token streams only (protocols openai and triton-generate; stream_load.py):
+    stream: bool = True  # server-sent events, one per token; False: one answer per request
+    endpoint: Literal["chat", "completions"] = "chat"  # openai: /v1/chat/completions or /v1/completions
+    prompt_tokens: str = "32"  # length distributions: "N", "A-B" (uniform) or "normal:MEAN:SD"
+    output_tokens: str = "64"
+    ignore_eos: bool = False  # openai: vLLM's ignore_eos, so every answer has the asked length
 
     def validate(self) -> LoadConfig:
         if (self.rate is None) == (self.concurrency is None):
@@ -99,11 +121,20 @@ class LoadConfig:
             raise LoadError(f"concurrency must be 1..10000, got {self.concurrency}")
         if self.duration is not None and not self.duration > 0:
             raise LoadError(f"duration must be positive, got {self.duration:g}")
-        if self.protocol not in ("http", "grpc"):
-            raise LoadError(f"protocol must be http or grpc, got {self.protocol!r}")
+        if self.protocol not in PROTOCOLS:
+            raise LoadError(f"protocol must be one of {', '.join(PROTOCOLS)}, got {self.protocol!r}")
         if not self.targets:
             raise LoadError("no model to send to")
-        if not 1 <= self.batch <= min(catalog.model_info(t.model).max_batch_size for t in self.targets):
+        if self.protocol in STREAM_PROTOCOLS:
+            from reference_server.stream_load import Lengths
+
+            if self.batch != 1:
+                raise LoadError("batch applies to KServe v2 tensors (http, grpc), not to token streams")
+            Lengths.parse(self.prompt_tokens, "prompt tokens")
+            Lengths.parse(self.output_tokens, "output tokens")
+            if self.endpoint not in ("chat", "completions"):
+                raise LoadError(f"endpoint must be chat or completions, got {self.endpoint!r}")
+        elif not 1 <= self.batch <= min(catalog.model_info(t.model).max_batch_size for t in self.targets):
             raise LoadError(f"batch {self.batch} is outside what the models accept")
         if "://" in self.url or not re.match(r"^[^\s/:]+:[0-9]+$", self.url):
             raise LoadError(f"url must be HOST:PORT without a scheme, got {self.url!r}")
@@ -130,6 +161,15 @@ class Summary:
     max_lag_s: float
     kept_up: bool
     warnings: list[str] = field(default_factory=list)
+    # Token streams only (stream_load.py), client-side: time to the first token, time per output
+    # token (per request), gaps between tokens, each as p50/p90/p99/max; token totals from usage
+    # where the answer has it, else counted from the events.
+    ttft_s: dict[str, float] | None = None
+    tpot_s: dict[str, float] | None = None
+    inter_token_s: dict[str, float] | None = None
+    prompt_tokens: int = 0
+    generation_tokens: int = 0
+    generation_tokens_per_s: float = 0.0
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -407,6 +447,15 @@ class LoadGenerator:
             await asyncio.gather(*pending, return_exceptions=True)
 
 
+def make_generator(config: LoadConfig, stop_event: threading.Event | None = None) -> LoadGenerator:
+    """The generator for ``config.protocol``: KServe v2 tensors, or token streams."""
+    if config.protocol in STREAM_PROTOCOLS:
+        from reference_server.stream_load import StreamLoadGenerator
+
+        return StreamLoadGenerator(config, stop_event)
+    return LoadGenerator(config, stop_event)
+
+
 def run_load(
     config: LoadConfig,
     stop_event: threading.Event | None = None,
@@ -415,7 +464,7 @@ def run_load(
 ) -> Summary:
     """Run ``config`` to the end (or until ``stop_event``), calling ``on_progress`` with a
     snapshot every ``interval`` seconds; returns the final Summary."""
-    gen = LoadGenerator(config, stop_event).start()
+    gen = make_generator(config, stop_event).start()
     try:
         while gen.running:
             gen.join(interval)
