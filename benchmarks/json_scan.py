@@ -1,7 +1,11 @@
-"""Throughput of the sidecar's streaming body scanner (``sidecar/apis/json_scan.py``): MB/s over a
-1 MB OpenAI request body whose ``model`` comes last (the worst place: every byte is scanned), for
-bodies of different shapes, fed in 64 KiB chunks as a proxy would; ``json.loads`` of the whole
-body beside it for scale (what buffering and parsing would cost).
+"""Cost of the sidecar's generative-API parsing (``sidecar/apis/``), on one core, no network.
+
+1. The streaming body scanner (``json_scan.py``): MB/s over a 1 MB OpenAI request body whose
+   ``model`` comes last (the worst place: every byte is scanned), for bodies of different shapes,
+   fed in 64 KiB chunks as a proxy would; ``json.loads`` of the whole body beside it for scale.
+2. The answer observers (SSE parser + ``openai.py`` / ``triton_generate.py``): microseconds per
+   streamed event, over a recorded 128-token vLLM stream fed one event per chunk (as vLLM writes
+   them), to hold against nginx's 27 us of CPU per streamed token (DESIGN.md).
 
     .venv/bin/python benchmarks/json_scan.py [--repeat 20]
 """
@@ -17,7 +21,12 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from sidecar.apis.hooks import NoHooks
 from sidecar.apis.json_scan import OPENAI_FIELDS, BodyScanner, Outcome
+from sidecar.apis.openai import OpenAIAnswer
+from sidecar.apis.triton_generate import TritonGenerateAnswer
+
+FIXTURES = Path(__file__).resolve().parents[1] / "tests" / "fixtures" / "llm_streams"
 
 MB = 1_000_000
 CHUNK = 65536
@@ -74,6 +83,35 @@ def main() -> None:
         loads, _ = best_seconds(lambda raw=raw: json.loads(raw), args.repeat)
         size = len(raw) / MB
         print(f"| {name} | {size:.2f} MB | {size / best:.0f} / {size / median:.0f} | {size / loads:.0f} |")
+    print()
+    print("| answer | events | observer us per event (best / median) |")
+    print("| --- | --- | --- |")
+    for name, answer, chunks in streams():
+        best, median = best_seconds(lambda a=answer, c=chunks: observe(a, c), args.repeat)
+        print(
+            f"| {name} | {len(chunks)} | {best / len(chunks) * 1e6:.1f} / {median / len(chunks) * 1e6:.1f} |"
+        )
+
+
+def streams():
+    vllm = [
+        p + b"\n\n" for p in (FIXTURES / "vllm_chat_stream_usage_128.sse").read_bytes().split(b"\n\n") if p
+    ]
+    triton = [
+        b'data: {"model_name":"tiny_stream","model_version":"1","text_output":"word "}\n\n'
+        for _ in range(128)
+    ]
+    return [
+        ("vLLM chat, 128 tokens with usage (OpenAIAnswer)", OpenAIAnswer, vllm),
+        ("Triton generate_stream, 128 tokens (TritonGenerateAnswer)", TritonGenerateAnswer, triton),
+    ]
+
+
+def observe(cls, chunks: list[bytes]) -> None:
+    answer = cls(NoHooks(), streamed=True)
+    for i, chunk in enumerate(chunks):
+        answer.feed(chunk, float(i))
+    assert answer.finish(float(len(chunks))).completion_tokens == 128
 
 
 if __name__ == "__main__":

@@ -240,6 +240,9 @@ def test_what_cannot_be_read_is_a_parse_error_not_a_crash() -> None:
     assert run([b"data: {not json\n\ndata: [DONE]\n\n"])[0].parse_error == "an event that is not JSON"
     assert run([b"data: [1]\n\n"])[0].parse_error == "an event that is not a JSON object"
     assert run([b"<html>oops"], streamed=False)[0].parse_error == "an answer that is not JSON"
+    deep = b"[" * 100_000 + b"]" * 100_000  # json.loads raises RecursionError, not ValueError
+    assert run([b"data: " + deep + b"\n\n"])[0].parse_error == "an event that is not JSON"
+    assert run([deep], streamed=False)[0].parse_error == "an answer that is not JSON"
     hooks = Recorder()
     answer = OpenAIAnswer(hooks, streamed=False, max_body=10)
     answer.feed(b"{" + b" " * 20 + b"}", 0.0)

@@ -100,6 +100,8 @@ def test_non_streamed_generate() -> None:
     end, _ = run([b'{"error":"injected fault: tiny_stream version 2"}'], streamed=False)
     assert end.error == "injected fault: tiny_stream version 2"
     assert run([b"not json"], streamed=False)[0].parse_error == "an answer that is not a JSON object"
+    deep = b"[" * 100_000 + b"]" * 100_000
+    assert run([b"data: " + deep + b"\n\n"])[0].parse_error == "an answer that is not a JSON object"
 
 
 @pytest.fixture

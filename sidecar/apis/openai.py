@@ -122,7 +122,7 @@ class OpenAIAnswer:
             return
         try:
             obj = json.loads(data)
-        except ValueError:
+        except (ValueError, RecursionError):  # RecursionError: nested too deep for json
             end.parse_error = "an event that is not JSON"
             return
         if not isinstance(obj, dict):
@@ -156,9 +156,9 @@ class OpenAIAnswer:
             return
         prompt, completion = usage.get("prompt_tokens"), usage.get("completion_tokens")
         end = self.end
-        if isinstance(prompt, int):
+        if type(prompt) is int:  # not bool
             end.prompt_tokens = prompt
-        if isinstance(completion, int):
+        if type(completion) is int:
             end.completion_tokens = completion
             end.usage_reported = True
 
@@ -195,7 +195,7 @@ class OpenAIAnswer:
         end = self.end
         try:
             obj = json.loads(body)
-        except ValueError:
+        except (ValueError, RecursionError):  # RecursionError: nested too deep for json
             end.parse_error = "an answer that is not JSON"
             return
         if not isinstance(obj, dict):

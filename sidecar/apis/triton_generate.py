@@ -78,7 +78,7 @@ class TritonGenerateAnswer:
     def _object(self, data: bytes) -> dict | None:
         try:
             obj = json.loads(data)
-        except ValueError:
+        except (ValueError, RecursionError):  # RecursionError: nested too deep for json
             obj = None
         if not isinstance(obj, dict):
             self.end.parse_error = "an answer that is not a JSON object"
