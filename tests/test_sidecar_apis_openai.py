@@ -261,3 +261,23 @@ def test_finish_twice_calls_on_end_once() -> None:
     answer.feed(raw("vllm_chat_stream_stop.sse"), 0.0)
     assert answer.finish(1.0) is answer.finish(2.0, complete=False)
     assert [c[0] for c in hooks.calls].count("end") == 1
+
+
+def test_an_embeddings_answer_gives_its_prompt_tokens() -> None:
+    body = {
+        "object": "list",
+        "data": [{"object": "embedding", "index": 0, "embedding": [0.1] * 64}],
+        "model": "tiny-llm",
+        "usage": {"prompt_tokens": 7, "total_tokens": 7},
+    }
+    end, hooks = run([json.dumps(body).encode()], streamed=False)
+    assert (end.prompt_tokens, end.completion_tokens, end.error) == (7, None, None)
+    assert [c[0] for c in hooks.calls] == ["end"]
+
+
+def test_the_package_exports_the_interface() -> None:
+    import sidecar.apis as apis
+
+    assert {"Hooks", "StreamEnd", "BodyScanner", "OpenAIAnswer", "TritonGenerateAnswer", "SSEParser"} <= set(
+        apis.__all__
+    )
