@@ -188,6 +188,35 @@ def test_fault_pace_knobs_change_the_stream(triton, clean_faults: Path) -> None:
     assert got[0][0] < 0.24
 
 
+def test_a_client_that_leaves_stops_the_stream(triton, clean_faults: Path) -> None:
+    """Triton cancels the request when the HTTP client disconnects or the gRPC stream is
+    cancelled; the model sees it between two tokens, stops, and says so in Triton's log."""
+    faults.set_fault(MODEL, "1", ttft_ms=0, per_token_ms=100, state_dir=clean_faults)
+    line = f"{MODEL} version 1: cancelled after"
+    before = triton.log_path.read_text().count(line)
+    with httpx.stream(
+        "POST", url(triton, "generate_stream", "1"), json={"text_input": "a", "max_tokens": 100}
+    ) as r:
+        next(r.iter_lines())  # the first token, then leave
+    client = grpcclient.InferenceServerClient(triton.grpc_url)
+    got: queue.Queue = queue.Queue()
+    client.start_stream(callback=lambda result, error: got.put(result))
+    inputs = [
+        grpcclient.InferInput("text_input", [1], "BYTES"),
+        grpcclient.InferInput("max_tokens", [1], "INT32"),
+    ]
+    inputs[0].set_data_from_numpy(np.array([b"a"], dtype=np.object_))
+    inputs[1].set_data_from_numpy(np.array([100], np.int32))
+    client.async_stream_infer(MODEL, inputs, model_version="1")
+    got.get(timeout=30)
+    client.stop_stream(cancel_requests=True)
+    client.close()
+    deadline = time.monotonic() + 10  # 100 tokens would take 10 s; a cancelled stream stops within 0.1 s
+    while triton.log_path.read_text().count(line) < before + 2 and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert triton.log_path.read_text().count(line) == before + 2
+
+
 def test_error_after_n_tokens_over_sse(triton, clean_faults: Path) -> None:
     before = triton_metrics.scrape(triton.metrics_url)
     faults.set_fault(MODEL, error_after_tokens=3, state_dir=clean_faults)

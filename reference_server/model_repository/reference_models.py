@@ -292,6 +292,9 @@ class TokenStream:
                 if delay > 0:
                     time.sleep(delay)
                 if request.is_cancelled():  # the client left: stop generating for it
+                    pb_utils.Logger.log_info(
+                        f"{self.name} version {self.version}: cancelled after {i} tokens"
+                    )
                     sender.send(flags=final)
                     return
                 if i == 0 and error_rate > 0 and self.rng.random() < error_rate:
