@@ -214,7 +214,10 @@ DCGM_TOTAL_ENERGY = _dcgm(
     "millijoules",
 )
 DCGM_XID_ERRORS = _dcgm(
-    "DCGM_FI_DEV_XID_ERRORS", "gauge", "Value of the last XID error encountered.", extra=(L_ERR_CODE, L_ERR_MSG)
+    "DCGM_FI_DEV_XID_ERRORS",
+    "gauge",
+    "Value of the last XID error encountered.",
+    extra=(L_ERR_CODE, L_ERR_MSG),
 )
 DCGM_PCIE_REPLAY = _dcgm("DCGM_FI_DEV_PCIE_REPLAY_COUNTER", "counter", "Total number of PCIe retries.")
 DCGM_CORRECTABLE_REMAPPED_ROWS = _dcgm(
