@@ -211,6 +211,13 @@ def test_openai_fields_read_on_the_way() -> None:
     assert scan([b'{"options":{"max_tokens":5,"stream":true},"model":"m"}']).fields == {}
 
 
+def test_a_duplicate_key_the_first_wins() -> None:
+    # Python's json keeps the last; the scanner decides at the first (documented).
+    raw = b'{"model":"a","messages":[],"model":"b"}'
+    assert json.loads(raw)["model"] == "b"
+    check_every_split(raw, Outcome.FOUND, "a", fields={})
+
+
 def test_only_the_model_wanted_stops_as_soon_as_it_is_found() -> None:
     s = BodyScanner()
     s.feed(b'{"model":"m", ')
