@@ -90,6 +90,29 @@ def test_an_error_event_after_tokens_and_a_cut_stream() -> None:
     assert (end.completion_tokens, end.truncated, end.error) == (1, True, None)
 
 
+def test_the_documented_mid_stream_error_exactly() -> None:
+    # reference_server/README.md, "What a mid-stream error looks like": the bytes of the body.
+    body = (
+        b'data: {"model_name":"tiny_stream","model_version":"2","text_output":"a "}\n\n'
+        b'data: {"model_name":"tiny_stream","model_version":"2","text_output":"b "}\n\n'
+        b'data: {"error":"injected fault: tiny_stream version 2 (error after 2 tokens)"}\n\n'
+    )
+    for cut in range(len(body) + 1):
+        end, hooks = run([body[:cut], body[cut:]])
+        assert (end.completion_tokens, end.error, end.truncated) == (
+            2,
+            "injected fault: tiny_stream version 2 (error after 2 tokens)",
+            False,
+        )
+        assert hooks.calls[0] == ("model", MODEL, "2")
+    # Triton's own refusals of a generate body: 500 and 200 with an error body.
+    for raw in (
+        b'{"error":"Unable to parse \'data\': ..."}',
+        b'{"error":"generate expects model to produce exactly 1 response, use generate stream"}',
+    ):
+        assert run([raw], streamed=False)[0].error.startswith(json.loads(raw)["error"][:10])
+
+
 def test_non_streamed_generate() -> None:
     end, hooks = run(
         [b'{"model_name":"tiny_stream",', b'"model_version":"2","text_output":"a b a "}'], streamed=False
