@@ -262,22 +262,31 @@ def test_grpc_error_on_the_wire(triton, clean_faults: Path, version: str) -> Non
     faults.set_fault(MODEL, error_after_tokens=1, state_dir=clean_faults)
     stop = threading.Event()
 
-    def requests():
-        r = service_pb2.ModelInferRequest(model_name=MODEL, model_version=version, id="x1")
+    def request(rid: str) -> service_pb2.ModelInferRequest:
+        r = service_pb2.ModelInferRequest(model_name=MODEL, model_version=version, id=rid)
         t = r.inputs.add(name="text_input", datatype="BYTES", shape=[1])
         t.contents.bytes_contents.append(b"a b")
         m = r.inputs.add(name="max_tokens", datatype="INT32", shape=[1])
         m.contents.int_contents.append(3)
         r.parameters["triton_enable_empty_final_response"].bool_param = True
-        yield r
+        return r
+
+    def requests():
+        yield request("x1")
+        next_one.wait(30)  # the second request goes on the same stream after the error
+        yield request("x2")
         stop.wait(30)  # keep the stream open until the answers are read, as a client does
 
+    next_one = threading.Event()
     with grpc.insecure_channel(triton.grpc_url) as channel:
         call = service_pb2_grpc.GRPCInferenceServiceStub(channel).ModelStreamInfer(requests())
         first, error = next(call), next(call)
+        next_one.set()
+        second = [next(call), next(call)]
         stop.set()
         rest = list(call)
         code = call.code()
+    assert [r.infer_response.id for r in second] == ["x2", "x2"] and second[1].error_message
     served = version or "2"
     assert first.error_message == "" and first.infer_response.model_version == served
     assert not first.infer_response.parameters["triton_final_response"].bool_param

@@ -18,6 +18,8 @@ import pytest
 
 from inferwatch import cli, contract
 from reference_server import catalog, faults, triton_metrics
+from reference_server.defaults import VLLM_PORT
+from reference_server.llm.vllm_server import DEFAULT_PORT
 from reference_server.loadgen import LoadConfig, LoadError, Target, run_load
 from reference_server.stream_load import Lengths
 from tests.fixtures.net import VENV_BIN, free_port, inferwatch_cmd, wait_http
@@ -203,6 +205,7 @@ def test_triton_generate_counts_errors_inside_and_before_the_stream(triton, clea
 
 
 def test_lengths_and_bad_stream_settings() -> None:
+    assert VLLM_PORT == DEFAULT_PORT  # load's default for openai is where inferwatch vllm listens
     rng = random.Random(0)
     assert Lengths.parse("7", "x").sample(rng) == 7
     assert {Lengths.parse("3-5", "x").sample(rng) for _ in range(200)} == {3, 4, 5}
