@@ -572,6 +572,8 @@ def run(opts: Options) -> dict:
                 cpu_rate = cpu / (time.monotonic() - t_before)
                 _progress(url, time.monotonic() - t_start, targets)
                 rules_api = httpx.get(f"{url}/api/v1/rules", timeout=60).json()["data"]["groups"]
+                log("counting the samples each rule group reads")
+                samples = samples_read(url, rules_api)
                 log("timing the Fleet overview's queries")
                 queries = time_queries(url, spec, opts)
                 return {
@@ -591,7 +593,10 @@ def run(opts: Options) -> dict:
                     # Prometheus used and the host's load say how much.
                     "prometheus_cpu_seconds_per_second": round(cpu_rate, 3),
                     "host": {"cpus": os.cpu_count(), "load_average_1m": round(os.getloadavg()[0], 2)},
-                    "rule_groups": _groups(durations, before, m, rules_api),
+                    "rule_groups": {
+                        g: {**d, **{f"read_{k}": v for k, v in samples.get(g, {}).items()}}
+                        for g, d in _groups(durations, before, m, rules_api).items()
+                    },
                     "queries": queries,
                 }
 
@@ -631,6 +636,22 @@ def _state(url: str, m: dict) -> dict:
             "heap_bytes_per_series": round(heap / head, 1) if head else None,
         },
     }
+
+
+def samples_read(url: str, rules_api: list[dict]) -> dict[str, dict[str, float]]:
+    """Per group: the samples its expressions read (``totalQueryableSamples`` of each rule's
+    expression run once as an instant query with ``stats=all``), a cost that does not depend
+    on how busy the machine is, and the inner evaluation time of that one run."""
+    out = {}
+    for g in rules_api:
+        samples = seconds = 0.0
+        for r in g["rules"]:
+            resp = httpx.get(f"{url}/api/v1/query", params={"query": r["query"], "stats": "all"}, timeout=600)
+            stats = resp.json().get("data", {}).get("stats", {})
+            samples += stats.get("samples", {}).get("totalQueryableSamples", 0)
+            seconds += stats.get("timings", {}).get("innerEvalTime", 0.0)
+        out[g["name"]] = {"samples": int(samples), "query_seconds": round(seconds, 4)}
+    return out
 
 
 def _groups(durations: dict[str, list[float]], before: dict, after: dict, rules_api: list[dict]) -> dict:
@@ -688,13 +709,13 @@ def print_table(r: dict) -> None:
         f"{r['prometheus_cpu_seconds_per_second']} CPU-s/s; host: {r['host']['cpus']} CPUs, "
         f"load average {r['host']['load_average_1m']}"
     )
-    print("\n| rule group | rules | evaluations | median | max | failures | missed |")
-    print("| --- | ---: | ---: | ---: | ---: | ---: | ---: |")
+    print("\n| rule group | rules | evaluations | median | max | missed | failures | samples read |")
+    print("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
     for g, d in r["rule_groups"].items():
         med, top = d["median_seconds"] * 1000, d["max_seconds"] * 1000
         print(
             f"| {g} | {d['rules']} | {d['evaluations']} | {med:.1f} ms | {top:.1f} ms | "
-            f"{d['failures_total']} | {d['iterations_missed']} |"
+            f"{d['iterations_missed']} | {d['failures_total']} | {d.get('read_samples', '-')} |"
         )
     print("\n| Fleet overview query | series | median time |")
     print("| --- | ---: | ---: |")
@@ -715,6 +736,9 @@ def main() -> int:
     parser.add_argument("--measure", type=_seconds, default=120.0, help="seconds of evaluations to record")
     parser.add_argument("--scrape-interval", type=_seconds, default=None, help="default: the spec's")
     parser.add_argument("--eval-interval", type=_seconds, default=None, help="default: the spec's")
+    parser.add_argument(
+        "--query-repeats", type=_positive, default=3, help="runs of each overview query (median; default 3)"
+    )
     parser.add_argument("--json", action="store_true", help="print the results as JSON")
     args = parser.parse_args()
     # SIGTERM unwinds like Ctrl-C, so Prometheus and the exporter are stopped on the way out.
@@ -731,6 +755,7 @@ def main() -> int:
         scrape_interval=args.scrape_interval or duration_seconds(spec.prometheus.scrape_interval),
         eval_interval=args.eval_interval or duration_seconds(spec.prometheus.evaluation_interval),
         spec_path=args.spec,
+        query_repeats=args.query_repeats,
     )
     result = run(opts)
     if args.json:
