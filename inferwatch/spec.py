@@ -97,6 +97,10 @@ class Model(_Strict):
     # A latency objective on TTFT: the fraction of requests whose first token comes within
     # ttft_sla_ms. Its burn-rate windows scale with the period like the availability SLO's.
     ttft_slo: Slo | None = None
+    # Names an engine serves this model under (vLLM's --served-model-name), each mapped to the
+    # version it stands for: {"tiny-llm": "1", "tiny-llm-canary": "2"}. The sidecar labels a
+    # request for a served name with this model and that version.
+    served_names: dict[Name, Annotated[str, Field(pattern=r"^[A-Za-z0-9_.-]+$", max_length=64)]] = {}
 
 
 class Defaults(_Strict):
@@ -221,7 +225,21 @@ class FleetSpec(_Strict):
             if model.name in seen:
                 raise ValueError(f"models[{i}].name: duplicate model name {model.name!r}")
             seen.add(model.name)
+        served: dict[str, str] = {}
+        for i, model in enumerate(self.models):
+            for name in model.served_names:
+                if name in served:
+                    raise ValueError(
+                        f"models[{i}].served_names: {name!r} is already a served name of {served[name]!r}"
+                    )
+                if name in seen and name != model.name:
+                    raise ValueError(f"models[{i}].served_names: {name!r} is the name of another model")
+                served[name] = model.name
         return self
+
+    def served_names(self) -> dict[str, tuple[str, str]]:
+        """Every served name the models list -> (model, version)."""
+        return {name: (m.name, v) for m in self.models for name, v in m.served_names.items()}
 
     def model(self, name: str) -> Model | None:
         return next((m for m in self.models if m.name == name), None)
