@@ -42,6 +42,7 @@ def _model_py():
     spec = importlib.util.spec_from_file_location("reference_model_py", path)
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # as an import does: its dataclasses look their module up there
     # No __pycache__ in the model repository: Triton would take that folder for a model.
     before, sys.dont_write_bytecode = sys.dont_write_bytecode, True
     try:

@@ -327,17 +327,20 @@ def test_bad_inputs_get_a_clear_error(triton) -> None:
 
 
 def test_the_models_read_the_fault_kinds_the_table_writes() -> None:
+    """reference_models.py cannot import inferwatch (it runs in the official container too), so
+    its typed copy of a fault file (Faults) is held against faults.KNOBS here."""
     source = (catalog.MODEL_REPOSITORY / "reference_models.py").read_text()
-    keys = next(
-        ast.literal_eval(node.value)
-        for node in ast.parse(source).body
-        if isinstance(node, ast.Assign) and getattr(node.targets[0], "id", "") == "FAULT_KEYS"
+    model_side = next(
+        node for node in ast.parse(source).body if isinstance(node, ast.ClassDef) and node.name == "Faults"
     )
-    assert (
-        tuple(keys)
-        == tuple(k.field for k in faults.KNOBS)
-        == tuple(f for f in faults.Fault.__dataclass_fields__)
-    )
+    fields = [
+        (n.target.id, ast.unparse(n.annotation)) for n in model_side.body if isinstance(n, ast.AnnAssign)
+    ]
+    table = [
+        (k.field, k.type.__name__ if not k.streaming else f"{k.type.__name__} | None") for k in faults.KNOBS
+    ]
+    assert fields == table
+    assert tuple(f for f, _ in fields) == tuple(faults.Fault.__dataclass_fields__)
     assert f'INJECTED = "{faults.INJECTED}"' in source
     assert INFO.max_tokens_limit == faults.MAX_TOKENS
 

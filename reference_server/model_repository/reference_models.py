@@ -32,14 +32,13 @@ import os
 import random
 import threading
 import time
+from dataclasses import dataclass, fields
 
 import numpy as np
 import triton_python_backend_utils as pb_utils
 
 FAULTS_DIR_ENV = "INFERWATCH_FAULTS_DIR"
 STATE_DIR_ENV = "INFERWATCH_STATE_DIR"
-# The fault file's keys this file acts on (reference_server/faults.py KNOBS has the same, tested).
-FAULT_KEYS = ("error_rate", "extra_latency_ms", "ttft_ms", "per_token_ms", "error_after_tokens")
 INJECTED = "injected fault:"  # the start of every injected error's message
 
 
@@ -91,6 +90,34 @@ def int4_streaming_matmul(
     return y
 
 
+@dataclass(frozen=True, slots=True)
+class Faults:
+    """A fault file, typed: its keys are these fields (reference_server/faults.py KNOBS has the
+    same, tested). The token-stream knobs left None keep the model's own pace."""
+
+    error_rate: float = 0.0
+    extra_latency_ms: float = 0.0
+    ttft_ms: float | None = None
+    per_token_ms: float | None = None
+    error_after_tokens: int | None = None
+
+    @classmethod
+    def from_json(cls, data: object) -> Faults:
+        """The known keys of a fault file; a file written by hand with other keys or types is
+        read as far as it makes sense rather than failing every request."""
+        if not isinstance(data, dict):
+            return NO_FAULTS
+        values = {}
+        for f in fields(cls):
+            value = data.get(f.name)
+            if isinstance(value, int | float) and not isinstance(value, bool):
+                values[f.name] = int(value) if f.name == "error_after_tokens" else float(value)
+        return cls(**values)
+
+
+NO_FAULTS = Faults()
+
+
 class FaultReader:
     """The current fault of one model version, re-read only when its file changes."""
 
@@ -104,9 +131,9 @@ class FaultReader:
             else []
         )
         self._key: tuple | None = None
-        self._fault: dict = {}
+        self._fault = NO_FAULTS
 
-    def current(self) -> dict:
+    def current(self) -> Faults:
         for path in self.paths:
             try:
                 st = os.stat(path)
@@ -118,11 +145,11 @@ class FaultReader:
                     with open(path, encoding="utf-8") as fh:
                         fault = json.load(fh)
                 except (OSError, ValueError):
-                    return {}  # replaced while reading: the next execution reads it again
-                self._fault = fault if isinstance(fault, dict) else {}
+                    return NO_FAULTS  # replaced while reading: the next execution reads it again
+                self._fault = Faults.from_json(fault)
                 self._key = key
             return self._fault
-        self._key, self._fault = None, {}
+        self._key, self._fault = None, NO_FAULTS
         return self._fault
 
 
@@ -169,10 +196,10 @@ class TritonPythonModel:
         if self.kind == "token_stream":
             return self.stream.execute(requests)
         fault = self.faults.current()
-        delay = self.delay_s + float(fault.get("extra_latency_ms", 0.0)) / 1000.0
+        delay = self.delay_s + fault.extra_latency_ms / 1000.0
         if delay > 0:
             time.sleep(delay)
-        error_rate = float(fault.get("error_rate", 0.0))
+        error_rate = fault.error_rate
         if error_rate > 0 and self.rng.random() < error_rate:
             raise pb_utils.TritonModelException(
                 f"{INJECTED} {self.name} version {self.version} (error_rate={error_rate:g})"
@@ -271,7 +298,7 @@ class TokenStream:
         streaming = True if stream is None else bool(stream.as_numpy().reshape(-1)[0])
         return prompt.split() or ["token"], max_tokens, streaming
 
-    def _stream(self, request, fault: dict, start: float) -> None:
+    def _stream(self, request, fault: Faults, start: float) -> None:
         sender = request.get_response_sender()
         final = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
         try:
@@ -280,12 +307,10 @@ class TokenStream:
             except ValueError as exc:
                 self._fail(sender, f"{self.name}: {exc}", pb_utils.TritonError.INVALID_ARG)
                 return
-            ttft_ms, per_token_ms = fault.get("ttft_ms"), fault.get("per_token_ms")
-            ttft = (self.ttft_ms if ttft_ms is None else float(ttft_ms)) / 1000.0
-            ttft += float(fault.get("extra_latency_ms", 0.0)) / 1000.0
-            per_token = (self.per_token_ms if per_token_ms is None else float(per_token_ms)) / 1000.0
-            error_after = fault.get("error_after_tokens")
-            error_rate = float(fault.get("error_rate", 0.0))
+            ttft = self.ttft_ms if fault.ttft_ms is None else fault.ttft_ms
+            ttft = (ttft + fault.extra_latency_ms) / 1000.0
+            per_token = (self.per_token_ms if fault.per_token_ms is None else fault.per_token_ms) / 1000.0
+            error_after, error_rate = fault.error_after_tokens, fault.error_rate
             text = []
             for i in range(max_tokens):
                 delay = start + ttft + i * per_token - time.monotonic()
@@ -299,7 +324,7 @@ class TokenStream:
                     return
                 if i == 0 and error_rate > 0 and self.rng.random() < error_rate:
                     why = f"error_rate={error_rate:g}"
-                elif error_after is not None and i == int(error_after):
+                elif error_after is not None and i == error_after:
                     why = f"error after {i} tokens"
                 else:
                     why = ""
