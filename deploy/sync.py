@@ -37,10 +37,13 @@ DOCKER = DEPLOY / "docker"
 K8S = DEPLOY / "kubernetes"
 
 # docker-compose service names, and where the compose file mounts things in containers.
+# Each job's targets, in the order the local stack's config lists them (the LLM sidecar is
+# the sidecar job's second target; vLLM serves its /metrics on its API port).
 COMPOSE_TARGETS = {
-    c.JOB_SIDECAR: f"sidecar:{c.PORTS['sidecar_metrics']}",
-    c.JOB_TRITON: f"triton:{c.PORTS['triton_metrics']}",
-    c.JOB_GPU_EXPORTER: f"gpu-exporter:{c.PORTS['gpu_exporter']}",
+    c.JOB_SIDECAR: [f"sidecar:{c.PORTS['sidecar_metrics']}", f"llm-sidecar:{c.PORTS['llm_sidecar_metrics']}"],
+    c.JOB_TRITON: [f"triton:{c.PORTS['triton_metrics']}"],
+    c.JOB_GPU_EXPORTER: [f"gpu-exporter:{c.PORTS['gpu_exporter']}"],
+    c.JOB_VLLM: [f"vllm:{c.PORTS['vllm']}"],
 }
 # The two clustered Alertmanagers (docker-compose.yml); Prometheus sends every alert to both.
 COMPOSE_ALERTMANAGERS = [
@@ -66,13 +69,16 @@ def _dump(data: object) -> str:
     return yamlout.dump(data, GENERATED)
 
 
-def compose_prometheus(spec: FleetSpec) -> str:
-    """prometheus.yml for docker-compose: the local stack's config with container targets."""
+def compose_prometheus(spec: FleetSpec, llm: bool = True) -> str:
+    """prometheus.yml for docker-compose: the local stack's config with container targets.
+    Without ``llm`` (the no-GPU override, where vLLM cannot run), no vLLM and no LLM sidecar."""
     # The file names `inferwatch rules build` gives each group (<group>.rules.yml).
     rule_paths = [Path(COMPOSE_RULES_DIR) / f"{name}.rules.yml" for name, _ in rule_groups(spec)]
-    cfg = prometheus_config(spec, c.PORTS, rule_paths, host="unused")
+    cfg = prometheus_config(spec, c.PORTS, rule_paths, host="unused", llm=llm)
     for job in cfg["scrape_configs"]:
-        job["static_configs"] = [{"targets": [COMPOSE_TARGETS[job["job_name"]]]}]
+        (static,) = job["static_configs"]
+        # The local config lists the same targets in the same order (see COMPOSE_TARGETS).
+        static["targets"] = COMPOSE_TARGETS[job["job_name"]][: len(static["targets"])]
     cfg["alerting"] = {"alertmanagers": [{"static_configs": [{"targets": COMPOSE_ALERTMANAGERS}]}]}
     return _dump(cfg)
 
@@ -171,6 +177,7 @@ def outputs(spec_path: Path) -> dict[Path, str]:
     spec = load_spec(spec_path)
     makers: dict[Path, Callable[[], str]] = {
         DOCKER / "prometheus.yml": lambda: compose_prometheus(spec),
+        DOCKER / "prometheus.no-llm.yml": lambda: compose_prometheus(spec, llm=False),
         DOCKER / "alertmanager.yml": lambda: compose_alertmanager(spec),
         K8S / "base/rules/prometheusrule.yaml": lambda: k8s_prometheusrule(spec),
         K8S / "base/alertmanager/alertmanagerconfig.yaml": lambda: k8s_alertmanagerconfig(spec),

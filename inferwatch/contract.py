@@ -586,6 +586,9 @@ JOB_SIDECAR = "inferwatch-sidecar"
 JOB_TRITON = "triton"
 JOB_GPU_EXPORTER = "gpu-exporter"
 JOBS = (JOB_SIDECAR, JOB_TRITON, JOB_GPU_EXPORTER)
+# vLLM's own /metrics where an LLM server runs (docker-compose, the Kubernetes PodMonitor);
+# the LLM sidecar in front of it is a target of JOB_SIDECAR like any other sidecar.
+JOB_VLLM = "vllm"
 
 # ---------------------------------------------------------------------------------------
 # Recording rules (alert_rules/generated/); dashboards query these names. Windows come

