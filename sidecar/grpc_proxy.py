@@ -21,8 +21,9 @@ Counting (one observation per request, each closed by exactly one ``Telemetry.en
   before it has read the request (an unknown method's UNIMPLEMENTED), grpc's client may report
   INTERNAL "Internal error from Core" in place of the upstream's code.
 
-Past ``max_concurrent_rpcs`` calls in flight (a stream counts once) every new call gets one
-fixed, counted answer: RESOURCE_EXHAUSTED. User documentation: ``sidecar/GRPC.md``.
+A call ``sidecar.admission`` refuses (past ``--max-in-flight`` requests in flight across the
+sidecar's protocols; a stream counts once) gets one fixed, counted answer: RESOURCE_EXHAUSTED.
+User documentation: ``sidecar/GRPC.md``.
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ import grpc
 import grpc.aio
 
 from inferwatch.contract import MODEL_NONE, PROTOCOL_GRPC
+from sidecar.admission import Admission
 from sidecar.grpc_methods import (
     EXTRA_UNARY_PATHS,
     SERVICE,
@@ -101,13 +103,14 @@ class GrpcProxy:
         max_message_bytes: int = 256 * 1024 * 1024,
         max_concurrent_rpcs: int | None = None,
         connect_timeout_s: float = 2.0,
+        admission: Admission | None = None,
     ) -> None:
         self.upstream = upstream
         self._tel = telemetry
         self._timeout = timeout_s
-        # Calls in flight beyond this get the one fixed overload answer (RESOURCE_EXHAUSTED).
-        self._limit = max_concurrent_rpcs
-        self._active = 0
+        # Calls past its limit get the one fixed overload answer (RESOURCE_EXHAUSTED); shared
+        # with the other proxies (sidecar.main), so the limit is the process's total.
+        self.admission = admission if admission is not None else Admission(max_concurrent_rpcs or 0)
         size_options = [
             ("grpc.max_receive_message_length", max_message_bytes),
             ("grpc.max_send_message_length", max_message_bytes),
@@ -212,16 +215,16 @@ class GrpcProxy:
         )
 
     def _limited(self, handler: Callable, path: str, name_field: int = 0, version_field: int = 0) -> Callable:
-        """``handler`` behind the in-flight limit: past it, the fixed overload answer, counted."""
-        if not self._limit:
+        """``handler`` behind admission: a refused call gets the fixed overload answer, counted."""
+        admission, tel = self.admission, self._tel
+        if not admission.limit:
             return handler
-        limit, tel = self._limit, self._tel
         name, outcome = self._codes[_EXHAUSTED]
         span_name, attributes = span_attributes(path)
-        details = f"inferwatch sidecar: more than {limit} calls in flight"
 
         async def limited(request: Any, context: grpc.aio.ServicerContext) -> Any:
-            if self._active >= limit:
+            refusal = admission.acquire(MODEL_NONE)  # a stream's messages are not read yet
+            if refusal is not None:
                 model = version = MODEL_NONE
                 if name_field and isinstance(request, bytes):
                     try:
@@ -230,12 +233,11 @@ class GrpcProxy:
                         pass
                 obs = tel.begin(model, version, PROTOCOL_GRPC, None, span_name, attributes)
                 tel.end(obs, name, outcome, len(request) if isinstance(request, bytes) else 0, 0)
-                await context.abort(_EXHAUSTED, details)
-            self._active += 1
+                await context.abort(_EXHAUSTED, refusal.message)
             try:
                 return await handler(request, context)
             finally:
-                self._active -= 1
+                admission.release(MODEL_NONE)
 
         return limited
 
@@ -466,13 +468,14 @@ class _Router(grpc.GenericRpcHandler):
 ENGINES = ("relay", "aio")
 
 
-async def serve(config: Any, telemetry: Any) -> Any:
+async def serve(config: Any, telemetry: Any, admission: Admission | None = None) -> Any:
     """Start the gRPC proxy as ``sidecar.main`` configures it; the caller awaits ``stop(grace)``.
 
     Engine: ``config.grpc_engine`` when the configuration has it, else ``relay`` (the HTTP/2
     frame relay of ``sidecar.grpc_relay``, several times cheaper); ``aio`` is this module's
-    grpc.aio proxy. Message-size limit: ``max_body_bytes``; concurrent calls: ``max_in_flight``
-    (beyond it the counted RESOURCE_EXHAUSTED answer); per-request timeout: ``request_timeout``;
+    grpc.aio proxy. Message-size limit: ``max_body_bytes``; concurrent calls: ``admission``
+    (shared with the HTTP proxy; without one, ``max_in_flight`` for this side alone), beyond it
+    the counted RESOURCE_EXHAUSTED answer; per-request timeout: ``request_timeout``;
     the upstream is retried within ``connect_timeout`` of coming back.
     """
     engine = getattr(config, "grpc_engine", "relay")
@@ -483,6 +486,7 @@ async def serve(config: Any, telemetry: Any) -> Any:
         "max_message_bytes": config.max_body_bytes,
         "max_concurrent_rpcs": config.max_in_flight,
         "connect_timeout_s": config.connect_timeout,
+        "admission": admission,
     }
     if engine == "relay":
         from sidecar.grpc_relay import GrpcRelay

@@ -1,7 +1,7 @@
 """The gRPC proxy as an HTTP/2 frame relay: the lean engine of the sidecar's gRPC side.
 
-``GrpcRelay`` listens, probes the upstream, holds what all connections share (the in-flight
-count, the refused calls awaiting their retry) and drains on stop. What happens on each
+``GrpcRelay`` listens, probes the upstream, holds what all connections share (admission,
+the refused calls awaiting their retry) and drains on stop. What happens on each
 connection (frames, header blocks, counting) is ``sidecar.grpc_relay_conn``; user
 documentation is ``sidecar/GRPC.md``.
 """
@@ -14,6 +14,7 @@ import socket
 import time
 from typing import Any
 
+from sidecar.admission import Admission
 from sidecar.grpc_calls import RefusedCalls
 from sidecar.grpc_methods import upstream_target
 from sidecar.grpc_relay_conn import ClientSide
@@ -41,15 +42,16 @@ class GrpcRelay:
         max_message_bytes: int = 256 * 1024 * 1024,
         max_concurrent_rpcs: int | None = None,
         connect_timeout_s: float = 2.0,
+        admission: Admission | None = None,
     ) -> None:
         host, _, port = upstream.rpartition(":")
         self.upstream = (host.strip("[]"), int(port))
         self.tel = telemetry
         self.timeout = timeout_s
         self.max_message = max_message_bytes
-        self.limit = max_concurrent_rpcs or 0
+        # Shared with the other proxies (sidecar.main): the limit is the process's total.
+        self.admission = admission if admission is not None else Admission(max_concurrent_rpcs or 0)
         self.connect_timeout = connect_timeout_s
-        self.active = 0
         self.conns: set[Any] = set()  # grpc_relay_conn._Conn
         self.retries = RefusedCalls(RETRY_WAIT_S)  # calls the upstream refused, awaiting their retry
         self._outcomes = {name: telemetry.outcome_for_grpc(name) for name in GRPC_CODES}

@@ -401,7 +401,7 @@ class _Conn:
     def _release(self, st: Call) -> None:
         if st.counted:
             st.counted = False
-            self.relay.active -= 1
+            self.relay.admission.release(MODEL_NONE)
 
     def _begin(self, st: Call, model: str, version: str) -> Any:
         if self.relay.retries:
@@ -588,12 +588,13 @@ class _Conn:
         if self.local or self.upstream_last is not None:
             self._withhold(sid, st, UNAVAILABLE, self._unavailable_message(), first_flags)
             return b""
-        if relay.limit and relay.active >= relay.limit:
-            # Over the limit; the upstream never sees the call.
-            message = f"inferwatch sidecar: more than {relay.limit} calls in flight"
-            self._withhold(sid, st, RESOURCE_EXHAUSTED, message, first_flags)
+        # Admitted on the header block, before the message names the model (per-model limits
+        # would hold the block for it, as tracing does).
+        refusal = relay.admission.acquire(MODEL_NONE)
+        if refusal is not None:
+            # The fixed overload answer; the upstream never sees the call.
+            self._withhold(sid, st, RESOURCE_EXHAUSTED, refusal.message, first_flags)
             return b""
-        relay.active += 1
         st.counted = True
         self.streams[sid] = st
         effective = timeout if timeout is not None and timeout <= relay.timeout else relay.timeout

@@ -50,6 +50,7 @@ from urllib.parse import unquote
 import httptools
 
 from inferwatch import contract
+from sidecar.admission import Admission
 
 if TYPE_CHECKING:
     from sidecar.config import SidecarConfig
@@ -727,21 +728,20 @@ class ClientConn(asyncio.Protocol):
         ex.close_after = not parser.should_keep_alive()
         self.parsing = ex
         self.exchanges.append(ex)
-        proxy.in_flight += 1
         proxy.requests += 1
 
-        if length > config.max_body_bytes:
-            raise _Reject(413)
-        if proxy.in_flight > config.max_in_flight:
+        if proxy.admission.acquire(model) is not None:  # sidecar.admission: one limit for all protocols
             self.exchanges.pop()
             self.parsing = None
             ex.done = True
-            proxy.end(ex, "503", contract.OUTCOME_SERVER_ERROR)
+            proxy.telemetry.end(ex.tel, "503", contract.OUTCOME_SERVER_ERROR, ex.req_bytes, ex.resp_bytes)
             self.keep_alive = False
             self.transport.write(OVERLOAD_RESPONSE)
             self.transport.close()
             self.closed = True
             return
+        if length > config.max_body_bytes:
+            raise _Reject(413)
         if chunked or length:
             self.dl_kind = _BODY
             self.deadline = proxy.loop.time() + config.body_timeout
@@ -866,11 +866,15 @@ class ClientConn(asyncio.Protocol):
 # The server
 # ------------------------------------------------------------------------------------------
 class HttpProxy:
-    def __init__(self, config: SidecarConfig, telemetry: Telemetry) -> None:
+    def __init__(
+        self, config: SidecarConfig, telemetry: Telemetry, admission: Admission | None = None
+    ) -> None:
         from sidecar.telemetry import UPSTREAM_HTTP
 
         self.config = config
         self.telemetry = telemetry
+        # Shared with the gRPC side (sidecar.main), so --max-in-flight is the process's total.
+        self.admission = admission if admission is not None else Admission(config.max_in_flight)
         self.loop = asyncio.get_running_loop()
         self.upstream_host, self.upstream_port = config.upstream_http
         self.host_header = f"{self.upstream_host}:{self.upstream_port}".encode()
@@ -878,7 +882,6 @@ class HttpProxy:
         self.upstream_up: bool | None = None
         self.pool: list[UpstreamConn] = []
         self.conns: set[ClientConn] = set()
-        self.in_flight = 0
         self.requests = 0  # requests read (each answered or counted as abandoned)
         self.draining = False  # answers close their connections (SIGTERM arrived)
         self.stopped = False  # the drain is over: nothing goes back to the pool
@@ -910,7 +913,7 @@ class HttpProxy:
         return hit
 
     def end(self, ex: Exchange, code: str, outcome: str) -> None:
-        self.in_flight -= 1
+        self.admission.release()
         self.telemetry.end(ex.tel, code, outcome, ex.req_bytes, ex.resp_bytes)
 
     # -- upstream pool
@@ -1004,8 +1007,8 @@ class HttpProxy:
         self.pool.clear()
 
 
-async def serve(config: SidecarConfig, telemetry: Telemetry) -> HttpProxy:
+async def serve(config: SidecarConfig, telemetry: Telemetry, admission: Admission | None = None) -> HttpProxy:
     """Start the HTTP proxy on ``config.host:config.http_port``; returns it listening."""
-    proxy = HttpProxy(config, telemetry)
+    proxy = HttpProxy(config, telemetry, admission)
     await proxy.start()
     return proxy

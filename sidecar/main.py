@@ -377,6 +377,7 @@ async def run(config: cfg.SidecarConfig) -> int:
     from prometheus_client import CollectorRegistry, disable_created_metrics
 
     from sidecar import http_proxy
+    from sidecar.admission import Admission
     from sidecar.telemetry import Telemetry
 
     # No _created series: Prometheus 2.x does not use them, and they were 8% of the
@@ -400,10 +401,11 @@ async def run(config: cfg.SidecarConfig) -> int:
     servers: list[tuple[str, Any]] = []
     refresher = asyncio.create_task(refresh_models(config, telemetry, wake, readiness))
     try:
-        servers.append(("http", await http_proxy.serve(config, telemetry)))
+        admission = Admission(config.max_in_flight)  # one limit for every protocol
+        servers.append(("http", await http_proxy.serve(config, telemetry, admission)))
         if config.grpc_proxy_enabled and importlib.util.find_spec("sidecar.grpc_proxy") is not None:
             grpc_proxy = importlib.import_module("sidecar.grpc_proxy")
-            servers.append(("grpc", await grpc_proxy.serve(config, telemetry)))
+            servers.append(("grpc", await grpc_proxy.serve(config, telemetry, admission)))
     except BaseException:
         refresher.cancel()
         for _, server in servers:
