@@ -41,6 +41,11 @@ ALLOWED_SKIPS = {
     ("CKV_K8S_15", "Deployment.monitoring.inferwatch-pager"),
     ("CKV_K8S_15", "Deployment.inference.triton"),
 }
+# The example overlay also runs vLLM, whose image digest is not established either.
+ALLOWED_SKIPS_BY_OVERLAY = {
+    "example": ALLOWED_SKIPS
+    | {("CKV_K8S_43", "Deployment.inference.vllm"), ("CKV_K8S_15", "Deployment.inference.vllm")},
+}
 
 
 def _checkov() -> Path:
@@ -121,7 +126,9 @@ def test_each_exception_is_skipped_on_its_object_with_a_reason(
 ) -> None:
     for name in overlay_builds:
         skipped = scan[f"{name}.yaml"]["skipped"]
-        assert {(r["check_id"], r["resource"]) for r in skipped} == ALLOWED_SKIPS, name
+        assert {(r["check_id"], r["resource"]) for r in skipped} == ALLOWED_SKIPS_BY_OVERLAY.get(
+            name, ALLOWED_SKIPS
+        ), name
         for r in skipped:
             reason = r["check_result"]["suppress_comment"]
             assert reason != "No comment provided" and len(reason) > 30, r["check_id"]

