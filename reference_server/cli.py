@@ -429,7 +429,9 @@ def _load(args: argparse.Namespace) -> int:
                         f"{s.elapsed_s:5.1f}/{args.duration:g} s  sent {s.sent}  ok {s.ok}  "
                         f"errors {sum(s.errors.values())}  in flight {s.in_flight}  "
                         f"{s.achieved_rate:.1f} req/s  p50 {lat['p50'] * 1e3:.1f} ms  "
-                        f"p99 {lat['p99'] * 1e3:.1f} ms" + ("  (behind!)" if not s.kept_up else "")
+                        f"p99 {lat['p99'] * 1e3:.1f} ms"
+                        + (f"  ttft p50 {s.ttft_s['p50'] * 1e3:.1f} ms" if s.ttft_s else "")
+                        + ("  (behind!)" if not s.kept_up else "")
                     )
                 )
 

@@ -13,10 +13,13 @@ this module brings the requests and what is measured on each:
 - **Inter-token gaps**: every gap between two content events.
 - **Errors**: an HTTP status other than 200 is counted by status; an error event inside a 200
   stream (vLLM: ``data: {"error": ...}``; Triton: ``data: {"error": "..."}``) as ``stream_error``;
-  a stream that ends without its end marker (OpenAI ``data: [DONE]``) as ``incomplete_stream``.
+  a stream cut after its 200, or an OpenAI stream that ends without ``data: [DONE]``, as
+  ``incomplete_stream``; an event that is not a JSON object as ``bad_event``.
 
 Without ``stream`` each request gets one answer: only latency and token counts are measured.
-The SSE framing (LF or CRLF, comments, events split across reads) is httpx's line reader's.
+Lines (LF or CRLF, split anywhere across reads) come from httpx's line reader; events are
+dispatched at their blank line as the SSE standard says (comments skipped, ``data:`` lines
+joined, an event cut off by the end of the stream dropped).
 """
 
 from __future__ import annotations
@@ -228,22 +231,37 @@ class StreamLoadGenerator(LoadGenerator):
             if resp.status_code != 200:
                 await resp.aread()
                 raise StreamError(str(resp.status_code), resp.text[:200])
-            async for line in resp.aiter_lines():
-                if not line.startswith("data:"):
-                    continue  # blank lines end events; ":" lines are comments
-                data = line[5:].strip()
-                if data == "[DONE]":
-                    done = True
-                    break
-                event = json.loads(data)
-                if "error" in event:
-                    raise StreamError("stream_error", str(event["error"])[:200])
-                if openai:
-                    usage = event.get("usage") or usage
-                    if _has_content(event):
+            try:
+                lines: list[str] = []  # the data lines of the event being read
+                async for line in resp.aiter_lines():
+                    if line.startswith("data:"):
+                        lines.append(line[6:] if line.startswith("data: ") else line[5:])
+                        continue
+                    if line or not lines:
+                        continue  # a comment (":"), another field, or a blank line with no event
+                    data, lines = "\n".join(lines), []  # a blank line ends the event: handle it
+                    if data == "[DONE]":
+                        done = True
+                        break
+                    try:
+                        event = json.loads(data)
+                    except ValueError:
+                        raise StreamError("bad_event", f"not JSON: {data[:100]!r}") from None
+                    if not isinstance(event, dict):
+                        raise StreamError("bad_event", f"not a JSON object: {data[:100]!r}")
+                    if "error" in event:
+                        raise StreamError("stream_error", str(event["error"])[:200])
+                    if openai:
+                        usage = event.get("usage") or usage
+                        if _has_content(event):
+                            times.append(time.monotonic())
+                    elif event.get("text_output"):
                         times.append(time.monotonic())
-                elif event.get("text_output"):
-                    times.append(time.monotonic())
+                # An event cut off by the end of the stream (no blank line after it) is dropped,
+                # as the SSE standard says; Triton's stream has no end marker, so it ends here.
+            except (httpx.RemoteProtocolError, httpx.ReadError) as exc:
+                # After the 200: the server went away mid-stream (not a connection failure).
+                raise StreamError("incomplete_stream", str(exc)[:200]) from None
         if openai and not done:
             raise StreamError("incomplete_stream", "the stream ended without data: [DONE]")
         prompt, generated = _usage({"usage": usage}) if usage else (0 if openai else n_prompt, len(times))

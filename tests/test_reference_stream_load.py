@@ -5,11 +5,15 @@ tiny_stream; the client-side token counts are checked against each server's own 
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import random
 import signal
+import socket
 import subprocess
+import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -20,8 +24,8 @@ from inferwatch import cli, contract
 from reference_server import catalog, faults, triton_metrics
 from reference_server.defaults import VLLM_PORT
 from reference_server.llm.vllm_server import DEFAULT_PORT
-from reference_server.loadgen import LoadConfig, LoadError, Target, run_load
-from reference_server.stream_load import Lengths
+from reference_server.loadgen import LoadConfig, LoadError, Summary, Target, run_load
+from reference_server.stream_load import Lengths, StreamLoadGenerator
 from tests.fixtures.net import VENV_BIN, free_port, inferwatch_cmd, wait_http
 
 pytestmark = pytest.mark.integration
@@ -237,3 +241,97 @@ def test_triton_generate_cli_refuses_what_triton_does_not_serve(capsys: pytest.C
     assert (
         code != 0 and f"cannot reach Triton at 127.0.0.1:{port}" in err and len(err.strip().splitlines()) == 1
     )
+
+
+def _scripted_openai_server(script: dict[str, list[bytes]]) -> tuple[str, socket.socket]:
+    """A raw socket server for what a real server will not send on demand: each request's
+    `model` picks a list of byte pieces, written one by one (an HTTP/1.1 answer, then close)."""
+    listener = socket.create_server(("127.0.0.1", 0))
+
+    def serve(conn: socket.socket) -> None:
+        with conn:
+            data = b""
+            while b"\r\n\r\n" not in data:
+                data += conn.recv(65536)
+            head, _, body = data.partition(b"\r\n\r\n")
+            length = int(
+                next(h.split(b":")[1] for h in head.split(b"\r\n") if h.lower().startswith(b"content-length"))
+            )
+            while len(body) < length:
+                body += conn.recv(65536)
+            try:
+                for piece in script[json.loads(body)["model"]]:
+                    conn.sendall(piece)
+                    time.sleep(0.002)
+            except OSError:
+                pass  # the client left first (it gave up on a bad event)
+
+    def accept() -> None:
+        while True:
+            try:
+                conn, _ = listener.accept()
+            except OSError:
+                return
+            threading.Thread(target=serve, args=(conn,), daemon=True).start()
+
+    threading.Thread(target=accept, daemon=True).start()
+    return f"127.0.0.1:{listener.getsockname()[1]}", listener
+
+
+def test_openai_stream_parsing_at_any_split_and_broken_streams() -> None:
+    status = b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nConnection: close\r\n"
+    head = status + b"Transfer-Encoding: chunked\r\n\r\n"
+    close = status + b"\r\n"  # a body that ends when the connection closes
+
+    def chunk(data: bytes) -> bytes:
+        return b"%x\r\n%s\r\n" % (len(data), data)
+
+    role = {"choices": [{"delta": {"role": "assistant"}}]}
+    events = [role] + [{"choices": [{"delta": {"content": f"t{i}"}}]} for i in range(3)]
+    events.append({"choices": [], "usage": {"prompt_tokens": 5, "completion_tokens": 3}})
+    good = b"".join(b"data: " + json.dumps(e).encode() + b"\r\n\r\n" for e in events) + b": a comment\r\n"
+    good += b"data: [DONE]\r\n\r\n"
+    script = {
+        # CRLF line ends, one byte per chunk, so every event is split at every position.
+        "split-everywhere": [head, *(chunk(good[i : i + 1]) for i in range(len(good))), b"0\r\n\r\n"],
+        "cut": [head, chunk(good[: good.index(b"t1")])],  # the server goes away mid-event
+        "cut-no-chunks": [close, good[: good.index(b"t1")]],  # the same, with a body that ends at close
+        "no-done": [head, chunk(good[: good.index(b"data: [DONE]")]), b"0\r\n\r\n"],
+        "garbage": [close, b"data: {not json\n\n"],
+        "error": [close, b'data: {"error": {"message": "engine died", "code": 500}}\n\ndata: [DONE]\n\n'],
+    }
+    url, listener = _scripted_openai_server(script)
+
+    def two_requests(model: str) -> Summary:
+        gen = StreamLoadGenerator(LoadConfig(url=url, protocol="openai", rate=1, targets=[Target(model)]))
+
+        async def send() -> None:
+            client, _ = gen._make_client()
+            try:
+                for _ in range(2):
+                    gen.stats.on_send(model)
+                    await gen._one(client, None, Target(model), time.monotonic())
+            finally:
+                await client.close()
+
+        asyncio.run(send())
+        return gen.snapshot()
+
+    try:
+        s = two_requests("split-everywhere")
+        assert s.ok == 2 and not s.errors
+        # usage wins over counting events; the role-only first event is no token.
+        assert (s.prompt_tokens, s.generation_tokens) == (10, 6)
+        assert s.ttft_s is not None and s.ttft_s["p50"] > 0
+        assert s.inter_token_s is not None and s.inter_token_s["p50"] > 0
+        for model, label in (
+            ("cut", "incomplete_stream"),
+            ("cut-no-chunks", "incomplete_stream"),
+            ("no-done", "incomplete_stream"),
+            ("garbage", "bad_event"),
+            ("error", "stream_error"),
+        ):
+            s = two_requests(model)
+            assert s.ok == 0 and s.errors == {label: 2}, (model, s.errors)
+    finally:
+        listener.close()
