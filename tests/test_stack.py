@@ -127,6 +127,8 @@ def test_the_two_alertmanagers_gossip_on_ports_of_their_own(tmp_path: Path) -> N
         assert flag(cmds[name], "web.listen-address") == f"127.0.0.1:{ports[web]}"
         assert flag(cmds[name], "cluster.listen-address") == f"127.0.0.1:{ports[gossip]}"
         assert flag(cmds[name], "cluster.peer") == f"127.0.0.1:{ports[peer]}"
+        # The pager on loopback answers in milliseconds: the second in line waits 2 s, not 15.
+        assert flag(cmds[name], "cluster.peer-timeout") == "2s"
     # Separate data dirs: each instance keeps its own notification log and silences.
     assert flag(cmds["alertmanager"], "storage.path") != flag(cmds["alertmanager-2"], "storage.path")
     # On the standard ports nothing collides with the 9094 web port.

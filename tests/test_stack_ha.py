@@ -7,7 +7,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import time
 
 import httpx
@@ -16,7 +15,7 @@ import pytest
 from inferwatch import contract
 from inferwatch.stack.core import STACK_FILE, StackInfo
 from inferwatch.stack.demo import Traffic, clear_faults, set_fault
-from inferwatch.stack.supervisor import alive, process_table
+from inferwatch.stack.supervisor import alive
 from inferwatch.stack.timing import deadline_after, next_error_window_start, resolve_bound
 from tests.fixtures.alerting import wait_for
 from tests.fixtures.stack import UpStack
@@ -140,33 +139,34 @@ def test_a_page_survives_a_killed_alertmanager_and_the_stack_restarts_it(local_s
 
 
 def test_a_component_that_keeps_dying_stops_the_stack_saying_so(local_stack: UpStack) -> None:
-    """The GPU exporter's port is taken while it is down: every restart fails, and after
-    five restarts with backoff (1+2+4+8+16 s) up stops everything and names the cause."""
+    """The pager's database is replaced by something that is not one, then the pager dies:
+    every restart fails, and after five restarts with backoff (1+2+4+8+16 s) up stops
+    everything and names the cause."""
     info = local_stack.info
     processes = local_stack.snapshot()
-    host, port = info.host, info.ports["gpu_exporter"]
-    pid = info.pids["gpu-exporter"]
-    proc_id = (pid, process_table()[pid][3])
-    with socket.socket() as squatter:
-        os.kill(pid, signal.SIGKILL)
-        wait_for("the exporter gone", lambda: not alive(proc_id), timeout=10, interval=0.05)
-        squatter.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        squatter.bind((host, port))
-        squatter.listen()
-        code = local_stack.proc.wait(240)
+    db = info.state_dir / "pager.sqlite"
+    # Under the running pager (it keeps the old files open): only a restart reads the new one.
+    # Its write-ahead log goes too, or SQLite would rebuild the database from it.
+    garbage = db.with_name("garbage")
+    garbage.write_text("this is not an SQLite database\n" * 100)
+    garbage.replace(db)
+    for extra in ("-wal", "-shm"):
+        db.with_name(db.name + extra).unlink(missing_ok=True)
+    os.kill(info.pids["pager"], signal.SIGKILL)
+    code = local_stack.proc.wait(240)
     output = local_stack.output_text()
     assert code == 1, output[-3000:]
-    retries = [
-        ln for ln in output.splitlines() if 'msg="component exited; restarting" component=gpu-exporter' in ln
-    ]
+    retries = [ln for ln in output.splitlines() if 'msg="component exited; restarting" component=pager' in ln]
     assert [ln.split("restart_in=")[1].split()[0] for ln in retries] == ["1s", "2s", "4s", "8s", "16s"]
+    assert 'reason="exited with code -9"' in retries[0]
+    assert all('reason="exited with code 1 while restarting"' in ln for ln in retries[1:])
     errors = [ln for ln in output.splitlines() if ln.startswith("inferwatch: error: ")]
     assert len(errors) == 1, output[-3000:]
     assert errors[0].startswith(
-        "inferwatch: error: gpu-exporter failed 6 times in a row "
+        "inferwatch: error: pager failed 6 times in a row "
         "(5 restarts with backoff did not keep it up), the stack stops: "
         "last exited with code 1 while restarting"
     )
-    assert f"cannot listen on {host}:{port}: Address already in use" in errors[0]
+    assert f"cannot use the database {db}: file is not a database" in errors[0]
     assert "msg=stopped component=triton" in output  # the rest was stopped, and said so
     assert [p for p in processes | local_stack.snapshot() if alive(p)] == []

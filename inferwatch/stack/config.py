@@ -35,6 +35,8 @@ ALERTMANAGERS = (
     ("alertmanager", "alertmanager", "alertmanager_cluster", "alertmanager_2_cluster"),
     ("alertmanager-2", "alertmanager_2", "alertmanager_2_cluster", "alertmanager_cluster"),
 )
+# Alertmanager's --cluster.peer-timeout for the pair (core.py says why it is short).
+PEER_TIMEOUT = "2s"
 DEFAULT_PORTS: dict[str, int] = {name: contract.PORTS[name] for name in PORT_NAMES}
 
 

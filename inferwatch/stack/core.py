@@ -359,6 +359,13 @@ class Stack:
                         # instance's web port, and every interface is more than loopback needs.
                         f"--cluster.listen-address={h}:{p[gossip]}",
                         f"--cluster.peer={h}:{p[peer]}",
+                        # How long the second in line waits for the first to notify before it
+                        # does (default 15 s, sized for remote receivers): the one receiver
+                        # here is the pager on loopback. It is also how long a flush that
+                        # missed the resolve is held before it checks the notification log:
+                        # the shorter, the rarer a stale firing after the other's resolved
+                        # (see inferwatch/stack/README.md).
+                        f"--cluster.peer-timeout={cfg.PEER_TIMEOUT}",
                         "--log.format=json",
                     ],
                     url(web, "/-/ready"), log_dir / f"{name}.log", {}, t,
