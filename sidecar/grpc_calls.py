@@ -13,6 +13,7 @@ from typing import Any
 
 from sidecar.grpc_methods import span_attributes
 from sidecar.grpc_streams import StreamMatcher
+from sidecar.grpc_tokens import StreamTokens
 from sidecar.grpc_wire import MessageScanner
 
 # Method kinds: a unary method of the service (one message each way), ModelStreamInfer (one
@@ -44,6 +45,7 @@ class Call:
         "scan_in",
         "scan_out",
         "span",
+        "tokens",
         "traceparent",
     )
 
@@ -64,6 +66,7 @@ class Call:
         self.scan_in: MessageScanner | None = MessageScanner() if kind != OTHER else None
         self.scan_out: MessageScanner | None = MessageScanner() if kind == STREAM else None
         self.pending: StreamMatcher | None = StreamMatcher() if kind == STREAM else None
+        self.tokens: StreamTokens | None = None  # ModelStreamInfer with LLM telemetry: token timing
         self.headers_out = False  # response headers went to the client
         self.dropped = False  # the relay answered this call itself; later frames are dropped
         self.counted = False  # holds a place in the in-flight limit

@@ -49,6 +49,7 @@ from sidecar.grpc_methods import (
     upstream_target,
 )
 from sidecar.grpc_streams import StreamMatcher
+from sidecar.grpc_tokens import StreamTokens
 from sidecar.grpc_wire import WireError, read_strings, stream_response_info
 from sidecar.telemetry import UPSTREAM_GRPC
 
@@ -104,6 +105,7 @@ class GrpcProxy:
         max_concurrent_rpcs: int | None = None,
         connect_timeout_s: float = 2.0,
         admission: Admission | None = None,
+        streams: Any = None,
     ) -> None:
         self.upstream = upstream
         self._tel = telemetry
@@ -111,6 +113,8 @@ class GrpcProxy:
         # Calls past its limit get the one fixed overload answer (RESOURCE_EXHAUSTED); shared
         # with the other proxies (sidecar.main), so the limit is the process's total.
         self.admission = admission if admission is not None else Admission(max_concurrent_rpcs or 0)
+        # The LLM telemetry (sidecar.llm): ModelStreamInfer's token timing; None: not recorded.
+        self.streams = streams
         size_options = [
             ("grpc.max_receive_message_length", max_message_bytes),
             ("grpc.max_send_message_length", max_message_bytes),
@@ -314,6 +318,7 @@ class GrpcProxy:
             traceparent = traceparent_of(metadata)
             call = upstream(timeout=self._timeout_for(context), metadata=metadata)
             streams = StreamMatcher()  # requests awaiting their response
+            tokens = StreamTokens(self.streams) if self.streams is not None else None
 
             async def pump() -> None:
                 async for msg in requests:
@@ -334,6 +339,8 @@ class GrpcProxy:
             def close_all(code: grpc.StatusCode) -> None:
                 name, outcome = codes[code]
                 for obs, size in streams.drain():
+                    if tokens is not None:
+                        tokens.closed(obs, code is not _OK)
                     tel.end(obs, name, outcome, size, 0)
 
             pumper = asyncio.create_task(pump())
@@ -347,9 +354,13 @@ class GrpcProxy:
                         error, _model, rid, final = stream_response_info(resp)
                     except WireError:
                         error, rid, final = "", "", None
+                    if tokens is not None:
+                        tokens.response(streams, resp, rid, error)
                     entry = streams.take(rid, bool(error), final)
                     if entry is not None:
                         obs, size = entry
+                        if tokens is not None:
+                            tokens.closed(obs)
                         if error:
                             name = stream_error_code(error)
                             tel.end(obs, name, tel.outcome_for_grpc(name), size, len(resp))
@@ -468,15 +479,16 @@ class _Router(grpc.GenericRpcHandler):
 ENGINES = ("relay", "aio")
 
 
-async def serve(config: Any, telemetry: Any, admission: Admission | None = None) -> Any:
+async def serve(config: Any, telemetry: Any, admission: Admission | None = None, streams: Any = None) -> Any:
     """Start the gRPC proxy as ``sidecar.main`` configures it; the caller awaits ``stop(grace)``.
 
     Engine: ``config.grpc_engine`` when the configuration has it, else ``relay`` (the HTTP/2
     frame relay of ``sidecar.grpc_relay``, several times cheaper); ``aio`` is this module's
     grpc.aio proxy. Message-size limit: ``max_body_bytes``; concurrent calls: ``admission``
     (shared with the HTTP proxy; without one, ``max_in_flight`` for this side alone), beyond it
-    the counted RESOURCE_EXHAUSTED answer; per-request timeout: ``request_timeout``;
-    the upstream is retried within ``connect_timeout`` of coming back.
+    the counted RESOURCE_EXHAUSTED answer; ``streams``: the LLM telemetry (``sidecar.llm``) that
+    ``ModelStreamInfer``'s token timing goes to (None: not recorded); per-request timeout:
+    ``request_timeout``; the upstream is retried within ``connect_timeout`` of coming back.
     """
     engine = getattr(config, "grpc_engine", "relay")
     if engine not in ENGINES:
@@ -487,6 +499,7 @@ async def serve(config: Any, telemetry: Any, admission: Admission | None = None)
         "max_concurrent_rpcs": config.max_in_flight,
         "connect_timeout_s": config.connect_timeout,
         "admission": admission,
+        "streams": streams,
     }
     if engine == "relay":
         from sidecar.grpc_relay import GrpcRelay

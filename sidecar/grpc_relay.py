@@ -43,6 +43,7 @@ class GrpcRelay:
         max_concurrent_rpcs: int | None = None,
         connect_timeout_s: float = 2.0,
         admission: Admission | None = None,
+        streams: Any = None,
     ) -> None:
         host, _, port = upstream.rpartition(":")
         self.upstream = (host.strip("[]"), int(port))
@@ -52,6 +53,8 @@ class GrpcRelay:
         # Shared with the other proxies (sidecar.main): the limit is the process's total.
         self.admission = admission if admission is not None else Admission(max_concurrent_rpcs or 0)
         self.connect_timeout = connect_timeout_s
+        # The LLM telemetry (sidecar.llm): ModelStreamInfer's token timing; None: not recorded.
+        self.streams = streams
         self.conns: set[Any] = set()  # grpc_relay_conn._Conn
         self.retries = RefusedCalls(RETRY_WAIT_S)  # calls the upstream refused, awaiting their retry
         self._outcomes = {name: telemetry.outcome_for_grpc(name) for name in GRPC_CODES}

@@ -60,6 +60,7 @@ from sidecar.grpc_methods import (
     UNARY_METHODS,
     stream_error_code,
 )
+from sidecar.grpc_tokens import StreamTokens
 from sidecar.grpc_wire import (
     grpc_timeout_seconds,
     grpc_timeout_value,
@@ -416,7 +417,10 @@ class _Conn:
         outcome = self.relay.outcome(code)
         if st.kind == STREAM:
             assert st.pending is not None
+            tokens = st.tokens
             for obs, size in st.pending.drain():
+                if tokens is not None:
+                    tokens.closed(obs, code != OK)
                 self.tel.end(obs, code, outcome, size, 0)
             return
         if st.obs is None:
@@ -578,6 +582,8 @@ class _Conn:
             st = Call(path, UNARY, UNARY_METHODS[method], traceparent)
         elif method == STREAM_METHOD:
             st = Call(path, STREAM, STREAM_FIELDS[:2], traceparent)
+            if self.relay.streams is not None:
+                st.tokens = StreamTokens(self.relay.streams)
         else:
             st = Call(path, OTHER, (0, 0), traceparent)
         relay = self.relay
@@ -901,14 +907,19 @@ class _Conn:
         heads: list = []
         st.scan_out.feed(data, heads)
         assert st.pending is not None
+        tokens = st.tokens
         for length, head, compressed in heads:
             error = rid = ""
             final = None
             if not compressed:
                 error, _model, rid, final = stream_response_info(head, partial=True)
+                if tokens is not None:
+                    tokens.response(st.pending, head, rid, error)
             entry = st.pending.take(rid, bool(error), final)
             if entry is not None:
                 obs, size = entry
+                if tokens is not None:
+                    tokens.closed(obs)
                 code = stream_error_code(error) if error else OK
                 self.tel.end(obs, code, self.relay.outcome(code), size, length)
 

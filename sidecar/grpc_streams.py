@@ -54,6 +54,12 @@ class StreamMatcher:
         self.open -= 1
         return obs, size
 
+    def peek(self, rid: str) -> Any:
+        """The observation a response that closes nothing belongs to (a decoupled model's token):
+        the oldest open request with ``rid``, None when none is open under it."""
+        queue = self.pending.get(rid)
+        return queue[0][1] if queue else None
+
     def drain(self) -> Iterator[tuple[Any, int]]:
         """Every open request, oldest first; the matcher is empty afterwards."""
         entries = sorted(e for q in self.pending.values() for e in q)

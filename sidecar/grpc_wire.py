@@ -235,6 +235,68 @@ def _partial_response_info(buf: bytes) -> tuple[str, str, str, bool | None]:
     return error, model, rid, final
 
 
+# ModelInferResponse: outputs = 5 (InferOutputTensor, name = 1), raw_output_contents = 6.
+_IR_OUTPUTS, _IR_RAW = 5, 6
+TEXT_OUTPUT = b"text_output"  # the generated text of Triton's LLM models (its generate API's name)
+
+
+def response_has_text(buf: bytes) -> bool:
+    """Whether a ``ModelStreamInferResponse`` (or the head of one) carries generated text: an
+    output tensor ``text_output`` whose first element is not empty.
+
+    The element is read from ``raw_output_contents`` (how Triton sends every tensor over gRPC:
+    a BYTES element is a 4-byte little-endian length, then the bytes); when the head ends
+    before that length, the tensor's presence counts. An error response, and the empty final
+    response of a decoupled model, have no outputs: no text.
+    """
+    end = len(buf)
+    index = -1  # text_output's place among the outputs (raw contents follow that order)
+    try:
+        pos = 0
+        while pos < end:
+            key, pos = _varint(buf, pos)
+            if key & 7 != _LEN:
+                return False
+            length, pos = _varint(buf, pos)
+            if key >> 3 != _SR_RESPONSE:
+                pos += length
+                continue
+            inner_end = min(pos + length, end)
+            outputs = raws = 0
+            while pos < inner_end:
+                ikey, pos = _varint(buf, pos)
+                if ikey & 7 != _LEN:
+                    if ikey & 7 == _VARINT:
+                        pos = _varint(buf, pos)[1]
+                        continue
+                    return False
+                ilen, pos = _varint(buf, pos)
+                n = ikey >> 3
+                if n == _IR_OUTPUTS:
+                    if index < 0 and _output_name(buf, pos, min(pos + ilen, inner_end)) == TEXT_OUTPUT:
+                        index = outputs
+                    outputs += 1
+                elif n == _IR_RAW:
+                    if raws == index:
+                        if pos + 4 > inner_end:
+                            return ilen > 0  # cut by the head: the tensor is there
+                        return ilen >= 4 and int.from_bytes(buf[pos : pos + 4], "little") > 0
+                    raws += 1
+                pos += ilen
+            return index >= 0  # named, its contents past the head (or sent in typed fields)
+    except WireError:  # the head ends inside a field
+        return index >= 0
+    return False
+
+
+def _output_name(buf: bytes, start: int, stop: int) -> bytes:
+    """The name (field 1) of an ``InferOutputTensor``: its first field, as protobuf writes it."""
+    if start >= stop or buf[start] != 0x0A:
+        return b""
+    length, pos = _varint(buf, start + 1)
+    return bytes(buf[pos : min(pos + length, stop)])
+
+
 # --------------------------------------------------------------------------- gRPC over HTTP/2
 
 # Bytes of each gRPC message read for its fields (names and ids come first).

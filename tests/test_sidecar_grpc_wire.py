@@ -19,6 +19,7 @@ from sidecar.grpc_wire import (
     grpc_timeout_seconds,
     grpc_timeout_value,
     read_strings,
+    response_has_text,
     stream_response_info,
 )
 from sidecar.h2 import HeaderReader, HpackError, literal, parse_block, settings_without_table
@@ -362,3 +363,62 @@ def test_stream_matcher_rules() -> None:
     assert m.take("", error=False, final=True) == ("n1", 2)
     assert list(m.drain()) == [("a2", 2), ("n2", 2)]
     assert len(m) == 0 and m.take("", error=True, final=None) is None
+
+
+# --------------------------------------------------------------------------- generated text
+
+
+def _token_response(text: bytes | None, outputs_before: int = 0, final: bool = False) -> bytes:
+    """A decoupled model's ModelStreamInferResponse, as Triton sends a token (text_output)."""
+    r = pb.ModelStreamInferResponse()
+    ir = r.infer_response
+    ir.model_name, ir.model_version, ir.id = "tiny_stream", "1", "r-1"
+    ir.parameters["triton_final_response"].bool_param = final
+    for i in range(outputs_before):
+        ir.outputs.add(name=f"other_{i}", datatype="INT32", shape=[1])
+        ir.raw_output_contents.append(b"\x07\x00\x00\x00")
+    if text is not None:
+        ir.outputs.add(name="text_output", datatype="BYTES", shape=[1])
+        ir.raw_output_contents.append(len(text).to_bytes(4, "little") + text)
+    return r.SerializeToString()
+
+
+def test_response_has_text() -> None:
+    assert response_has_text(_token_response(b"hi "))
+    assert response_has_text(_token_response(b"hi ", outputs_before=2))  # found by its place
+    assert not response_has_text(_token_response(b""))  # an empty text is no token
+    assert not response_has_text(_token_response(None, final=True))  # the empty final response
+    assert not response_has_text(_token_response(b"", outputs_before=1))
+    err = pb.ModelStreamInferResponse(error_message="injected fault: tiny_stream (error after 2 tokens)")
+    err.infer_response.id = "r-1"
+    assert not response_has_text(err.SerializeToString())
+    other = pb.ModelStreamInferResponse()
+    other.infer_response.outputs.add(name="SCORES", datatype="FP32", shape=[1])
+    other.infer_response.raw_output_contents.append(b"\x00" * 4)
+    assert not response_has_text(other.SerializeToString())  # not an LLM's output
+    assert not response_has_text(b"\xff\xff")  # not protobuf: no text, no exception
+
+
+def test_response_has_text_on_every_head_length() -> None:
+    """The relay reads only a message's head: a head cut anywhere never raises, says no text
+    before the text_output tensor is named, and says text once it is (unless the element's
+    length, when read, is 0)."""
+    full = _token_response(b"a long token " * 50)
+    named_at = full.index(b"text_output") + len(b"text_output")
+    for cut in range(len(full) + 1):
+        assert response_has_text(full[:cut]) is (cut >= named_at), cut
+    empty = _token_response(b"")
+    named_at = empty.index(b"text_output") + len(b"text_output")
+    for cut in range(len(empty) + 1):
+        # Cut before the length: the tensor's presence counts; once the length (0) is read: none.
+        assert response_has_text(empty[:cut]) is (named_at <= cut < len(empty)), cut
+
+
+def test_stream_matcher_peek() -> None:
+    m = StreamMatcher()
+    assert m.peek("a") is None
+    m.add("a", "a1", 1)
+    m.add("a", "a2", 1)
+    assert m.peek("a") == "a1" and m.peek("b") is None and len(m) == 2  # peek closes nothing
+    assert m.take("a", error=False, final=True) == ("a1", 1)
+    assert m.peek("a") == "a2"
