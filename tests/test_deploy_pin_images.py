@@ -53,7 +53,12 @@ def test_every_pulled_image_gets_its_digest_beside_its_tag(tree: Path, capsys) -
     out = capsys.readouterr().out
     assert "cannot pin: nvcr.io/nvidia/tritonserver:24.10-py3" in out
     compose = (tree / "docker-compose.yml").read_text()
-    for image in ("prom/prometheus:v3.5.0", "prom/alertmanager:v0.28.1", "grafana/grafana:12.1.1"):
+    for image in (
+        "prom/prometheus:v3.5.0",
+        "prom/alertmanager:v0.28.1",
+        "grafana/grafana:12.1.1",
+        "vllm/vllm-openai:v0.32.0",
+    ):
         assert f"image: {image}@{B}\n" in compose
     assert "image: nvcr.io/nvidia/tritonserver:24.10-py3\n" in compose  # unchanged, not invented
     assert "image: inferwatch:0.1.0\n" in compose  # built locally, never pulled
@@ -76,7 +81,11 @@ def test_every_pulled_image_gets_its_digest_beside_its_tag(tree: Path, capsys) -
             *d["spec"]["template"]["spec"]["containers"],
         ]
     }
-    assert images == {f"registry.example.com/inferwatch:0.1.0@{B}", "nvcr.io/nvidia/tritonserver:24.10-py3"}
+    assert images == {
+        f"registry.example.com/inferwatch:0.1.0@{B}",
+        "nvcr.io/nvidia/tritonserver:24.10-py3",
+        f"vllm/vllm-openai:v0.32.0@{B}",  # the example vLLM, resolved like the others
+    }
 
 
 def test_check_reports_stale_digests_and_changes_nothing(tree: Path, capsys) -> None:
@@ -122,6 +131,11 @@ def test_the_committed_files_carry_the_digests_recorded_in_the_readme() -> None:
     # What is not pinned is named in the README as not established.
     if "nvcr.io/nvidia/tritonserver:24.10-py3" not in pinned:
         assert "**Not established:** `nvcr.io/nvidia/tritonserver:24.10-py3`" in readme
+    if "vllm/vllm-openai:v0.32.0" not in pinned:
+        assert (
+            "**Not established:** `nvcr.io/nvidia/tritonserver:24.10-py3` and `vllm/vllm-openai:v0.32.0`"
+            in (" ".join(readme.split()))
+        )
 
 
 @pytest.mark.parametrize(
