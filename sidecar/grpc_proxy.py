@@ -51,6 +51,7 @@ from sidecar.grpc_methods import (
 from sidecar.grpc_streams import StreamMatcher
 from sidecar.grpc_tokens import StreamTokens
 from sidecar.grpc_wire import WireError, read_strings, stream_response_info
+from sidecar.health import UpstreamHealth
 from sidecar.telemetry import UPSTREAM_GRPC
 
 log = logging.getLogger("inferwatch.sidecar.grpc")
@@ -106,6 +107,7 @@ class GrpcProxy:
         connect_timeout_s: float = 2.0,
         admission: Admission | None = None,
         streams: Any = None,
+        health: UpstreamHealth | None = None,
     ) -> None:
         self.upstream = upstream
         self._tel = telemetry
@@ -115,6 +117,12 @@ class GrpcProxy:
         self.admission = admission if admission is not None else Admission(max_concurrent_rpcs or 0)
         # The LLM telemetry (sidecar.llm): ModelStreamInfer's token timing; None: not recorded.
         self.streams = streams
+        # The one writer of upstream_up, shared (sidecar.main runs its probe), or this proxy's own.
+        self._own_health = health is None
+        self.health = health or UpstreamHealth(telemetry, {}, connect_timeout_s)
+        host, _, port = upstream.rpartition(":")
+        # The channel is this upstream's probe (it reconnects by itself): none from health.
+        self.health.add(UPSTREAM_GRPC, (host.strip("[]"), int(port)), probe=False)
         size_options = [
             ("grpc.max_receive_message_length", max_message_bytes),
             ("grpc.max_send_message_length", max_message_bytes),
@@ -154,6 +162,8 @@ class GrpcProxy:
             raise OSError(f"cannot listen for gRPC on {address}: {exc}") from None
         await self._server.start()
         self._watcher = asyncio.create_task(self._watch_upstream(), name="grpc-upstream-watch")
+        if self._own_health:
+            self.health.start()
         log.info(
             "grpc proxy listening",
             extra={"fields": {"grpc": f"{host}:{self.port}", "upstream_grpc": self.upstream}},
@@ -166,29 +176,22 @@ class GrpcProxy:
             await self._server.stop(grace)
         if self._watcher is not None:
             self._watcher.cancel()
+        if self._own_health:
+            self.health.stop()
         if self._channel is not None:
             await self._channel.close()
 
     async def _watch_upstream(self) -> None:
-        """Follow the channel's connectivity: READY -> up, TRANSIENT_FAILURE -> down.
-
-        The channel keeps reconnecting by itself while in TRANSIENT_FAILURE, so the gauge turns
-        back to 1 when the upstream returns, with or without traffic.
+        """Follow the channel's connectivity (READY: up, TRANSIENT_FAILURE: down) and tell
+        ``sidecar.health``, which writes the gauge. Asking for the state with ``try_to_connect``
+        keeps the channel reconnecting, so calls flow as soon as the upstream returns.
         """
         assert self._channel is not None
         ready, failed = grpc.ChannelConnectivity.READY, grpc.ChannelConnectivity.TRANSIENT_FAILURE
         state = self._channel.get_state(try_to_connect=True)
-        up: bool | None = None
         while True:
-            now = True if state is ready else False if state is failed else up
-            if now is not None and now != up:
-                self._tel.set_upstream_up(UPSTREAM_GRPC, now)
-                fields = {"upstream_grpc": self.upstream}
-                if now:
-                    log.info("grpc upstream reachable", extra={"fields": fields})
-                else:
-                    log.warning("grpc upstream unreachable", extra={"fields": fields})
-                up = now
+            if state is ready or state is failed:
+                self.health.report(UPSTREAM_GRPC, state is ready, "channel in TRANSIENT_FAILURE")
             await self._channel.wait_for_state_change(state)
             state = self._channel.get_state(try_to_connect=True)
 
@@ -479,7 +482,13 @@ class _Router(grpc.GenericRpcHandler):
 ENGINES = ("relay", "aio")
 
 
-async def serve(config: Any, telemetry: Any, admission: Admission | None = None, streams: Any = None) -> Any:
+async def serve(
+    config: Any,
+    telemetry: Any,
+    admission: Admission | None = None,
+    streams: Any = None,
+    health: UpstreamHealth | None = None,
+) -> Any:
     """Start the gRPC proxy as ``sidecar.main`` configures it; the caller awaits ``stop(grace)``.
 
     Engine: ``config.grpc_engine`` when the configuration has it, else ``relay`` (the HTTP/2
@@ -488,7 +497,8 @@ async def serve(config: Any, telemetry: Any, admission: Admission | None = None,
     (shared with the HTTP proxy; without one, ``max_in_flight`` for this side alone), beyond it
     the counted RESOURCE_EXHAUSTED answer; ``streams``: the LLM telemetry (``sidecar.llm``) that
     ``ModelStreamInfer``'s token timing goes to (None: not recorded); per-request timeout:
-    ``request_timeout``; the upstream is retried within ``connect_timeout`` of coming back.
+    ``request_timeout``; the upstream is retried within ``connect_timeout`` of coming back;
+    ``health``: the sidecar's ``UpstreamHealth`` (its probe run by the caller), else the proxy's own.
     """
     engine = getattr(config, "grpc_engine", "relay")
     if engine not in ENGINES:
@@ -500,6 +510,7 @@ async def serve(config: Any, telemetry: Any, admission: Admission | None = None,
         "connect_timeout_s": config.connect_timeout,
         "admission": admission,
         "streams": streams,
+        "health": health,
     }
     if engine == "relay":
         from sidecar.grpc_relay import GrpcRelay

@@ -1,7 +1,7 @@
 """The gRPC proxy as an HTTP/2 frame relay: the lean engine of the sidecar's gRPC side.
 
-``GrpcRelay`` listens, probes the upstream, holds what all connections share (admission,
-the refused calls awaiting their retry) and drains on stop. What happens on each
+``GrpcRelay`` listens, holds what all connections share (admission, upstream health, the
+refused calls awaiting their retry) and drains on stop. What happens on each
 connection (frames, header blocks, counting) is ``sidecar.grpc_relay_conn``; user
 documentation is ``sidecar/GRPC.md``.
 """
@@ -18,12 +18,11 @@ from sidecar.admission import Admission
 from sidecar.grpc_calls import RefusedCalls
 from sidecar.grpc_methods import upstream_target
 from sidecar.grpc_relay_conn import ClientSide
+from sidecar.health import UpstreamHealth
 from sidecar.telemetry import GRPC_CODES, UPSTREAM_GRPC
 
 log = logging.getLogger("inferwatch.sidecar.grpc")
 
-# Seconds between TCP probes of the upstream while it is up / down.
-PROBE_UP_S, PROBE_DOWN_S = 5.0, 0.5
 # Seconds the observation of a call refused by the upstream (REFUSED_STREAM) waits for the
 # client's retry (a retry policy's first backoff is typically well under it); then it is
 # counted UNAVAILABLE.
@@ -44,6 +43,7 @@ class GrpcRelay:
         connect_timeout_s: float = 2.0,
         admission: Admission | None = None,
         streams: Any = None,
+        health: UpstreamHealth | None = None,
     ) -> None:
         host, _, port = upstream.rpartition(":")
         self.upstream = (host.strip("[]"), int(port))
@@ -59,8 +59,10 @@ class GrpcRelay:
         self.retries = RefusedCalls(RETRY_WAIT_S)  # calls the upstream refused, awaiting their retry
         self._outcomes = {name: telemetry.outcome_for_grpc(name) for name in GRPC_CODES}
         self._server: asyncio.AbstractServer | None = None
-        self._probe: asyncio.Task | None = None
-        self._up: bool | None = None
+        # The one writer of upstream_up, shared (sidecar.main runs its probe), or this relay's own.
+        self._own_health = health is None
+        self.health = health or UpstreamHealth(telemetry, {}, connect_timeout_s)
+        self.health.add(UPSTREAM_GRPC, self.upstream)
         self.port = 0
 
     def outcome(self, code: str) -> str:
@@ -78,7 +80,8 @@ class GrpcRelay:
         loop = asyncio.get_running_loop()
         self._server = await loop.create_server(lambda: ClientSide(self), host, port, reuse_address=True)
         self.port = self._server.sockets[0].getsockname()[1]
-        self._probe = loop.create_task(self._probe_upstream())
+        if self._own_health:
+            self.health.start()
         log.info(
             "grpc relay listening",
             extra={
@@ -106,31 +109,9 @@ class GrpcRelay:
                 conn.closing = True
                 conn.up.close()
         self.retries.expire_all()  # refused and not retried before the end: counted as the client saw it
-        if self._probe is not None:
-            self._probe.cancel()
+        if self._own_health:
+            self.health.stop()
 
     def upstream_state(self, up: bool, exc: BaseException | None) -> None:
-        if up == self._up:
-            return
-        self._up = up
-        self.tel.set_upstream_up(UPSTREAM_GRPC, up)
-        fields = {"upstream_grpc": upstream_target(self.upstream)}
-        if up:
-            log.info("grpc upstream reachable", extra={"fields": fields})
-        else:
-            log.warning(
-                "grpc upstream unreachable", extra={"fields": {**fields, "error": str(exc or "closed")}}
-            )
-
-    async def _probe_upstream(self) -> None:
-        """A TCP connect to the upstream, every 0.5 s while it is down and every 5 s while it is
-        up, so the gauge follows the upstream without traffic (calls move it sooner)."""
-        host, port = self.upstream
-        while True:
-            try:
-                _, writer = await asyncio.wait_for(asyncio.open_connection(host, port), self.connect_timeout)
-                writer.close()
-                self.upstream_state(True, None)
-            except (OSError, TimeoutError) as exc:
-                self.upstream_state(False, exc)
-            await asyncio.sleep(PROBE_UP_S if self._up else min(PROBE_DOWN_S, self.connect_timeout))
+        """What a connection saw of the upstream (sidecar.health writes the gauge on change)."""
+        self.health.report(UPSTREAM_GRPC, up, str(exc) if exc else "")

@@ -51,6 +51,7 @@ import httptools
 
 from inferwatch import contract
 from sidecar.admission import Admission
+from sidecar.health import UpstreamHealth
 
 if TYPE_CHECKING:
     from sidecar.config import SidecarConfig
@@ -867,7 +868,11 @@ class ClientConn(asyncio.Protocol):
 # ------------------------------------------------------------------------------------------
 class HttpProxy:
     def __init__(
-        self, config: SidecarConfig, telemetry: Telemetry, admission: Admission | None = None
+        self,
+        config: SidecarConfig,
+        telemetry: Telemetry,
+        admission: Admission | None = None,
+        health: UpstreamHealth | None = None,
     ) -> None:
         from sidecar.telemetry import UPSTREAM_HTTP
 
@@ -879,7 +884,8 @@ class HttpProxy:
         self.upstream_host, self.upstream_port = config.upstream_http
         self.host_header = f"{self.upstream_host}:{self.upstream_port}".encode()
         self.upstream_name = UPSTREAM_HTTP
-        self.upstream_up: bool | None = None
+        # The one writer of upstream_up (sidecar.main shares it and runs its probe).
+        self.health = health or UpstreamHealth(telemetry, {UPSTREAM_HTTP: config.upstream_http})
         self.pool: list[UpstreamConn] = []
         self.conns: set[ClientConn] = set()
         self.requests = 0  # requests read (each answered or counted as abandoned)
@@ -940,24 +946,11 @@ class HttpProxy:
             self.loop.create_connection(lambda: UpstreamConn(self), self.upstream_host, self.upstream_port),
             self.config.connect_timeout,
         )
-        if self.upstream_up is not True:
-            self.upstream_up = True
-            self.telemetry.set_upstream_up(self.upstream_name, True)
+        self.health.report(self.upstream_name, True)
         return conn  # type: ignore[return-value]
 
     def upstream_failed(self, exc: BaseException) -> None:
-        if self.upstream_up is not False:
-            self.upstream_up = False
-            self.telemetry.set_upstream_up(self.upstream_name, False)
-            log.warning(
-                "upstream connect failed",
-                extra={
-                    "fields": {
-                        "upstream": f"{self.upstream_host}:{self.upstream_port}",
-                        "error": str(exc) or type(exc).__name__,
-                    }
-                },
-            )
+        self.health.report(self.upstream_name, False, str(exc) or type(exc).__name__)
 
     async def _sweep(self) -> None:
         idle_ticks = round(POOL_IDLE_SECONDS / SWEEP_INTERVAL)
@@ -1007,8 +1000,13 @@ class HttpProxy:
         self.pool.clear()
 
 
-async def serve(config: SidecarConfig, telemetry: Telemetry, admission: Admission | None = None) -> HttpProxy:
+async def serve(
+    config: SidecarConfig,
+    telemetry: Telemetry,
+    admission: Admission | None = None,
+    health: UpstreamHealth | None = None,
+) -> HttpProxy:
     """Start the HTTP proxy on ``config.host:config.http_port``; returns it listening."""
-    proxy = HttpProxy(config, telemetry, admission)
+    proxy = HttpProxy(config, telemetry, admission, health=health)
     await proxy.start()
     return proxy

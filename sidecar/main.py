@@ -287,17 +287,6 @@ async def _read_index(config: cfg.SidecarConfig, telemetry: Any) -> tuple[bool, 
     return 0 < status < 500, f"HTTP {status}"
 
 
-async def _probe(config: cfg.SidecarConfig) -> tuple[bool, str]:
-    """Whether the upstream accepts a TCP connection."""
-    host, port = config.upstream_http
-    try:
-        _, writer = await asyncio.wait_for(asyncio.open_connection(host, port), config.connect_timeout)
-    except (OSError, TimeoutError) as exc:
-        return False, str(exc) or type(exc).__name__
-    writer.close()
-    return True, ""
-
-
 async def _upstream_ready(config: cfg.SidecarConfig) -> tuple[bool, str]:
     """Whether the upstream says it is ready (KServe ``GET /v2/health/ready``); a server
     without that endpoint (404, 405, 501) counts as ready once it answers at all."""
@@ -314,7 +303,11 @@ async def _upstream_ready(config: cfg.SidecarConfig) -> tuple[bool, str]:
 
 
 async def refresh_models(
-    config: cfg.SidecarConfig, telemetry: Any, wake: asyncio.Event, readiness: Readiness
+    config: cfg.SidecarConfig,
+    telemetry: Any,
+    wake: asyncio.Event,
+    readiness: Readiness,
+    health: Any = None,
 ) -> None:
     """Keep telemetry's served-model set equal to the upstream's repository index and
     ``upstream_up`` current even without traffic, and mark ``readiness`` once the upstream
@@ -323,11 +316,14 @@ async def refresh_models(
     Until then the upstream's readiness is asked every ``NOT_READY_PROBE_INTERVAL``. After,
     the index is read every ``--model-refresh-interval``, when the upstream comes back, and at
     most ``MISS_REFRESH_MIN_INTERVAL`` after a request named an unknown model (``wake``);
-    between reads a TCP connect every ``UP_PROBE_INTERVAL`` (``DOWN_PROBE_INTERVAL`` while
-    down) keeps the gauge honest when no request is flowing.
+    between reads, ``health`` (``sidecar.health``: the gauge's one writer and its one probe)
+    says whether the upstream is up; what each read saw is reported to it.
     """
+    from sidecar.health import UpstreamHealth
     from sidecar.telemetry import UPSTREAM_HTTP
 
+    if health is None:
+        health = UpstreamHealth(telemetry, {UPSTREAM_HTTP: config.upstream_http}, config.connect_timeout)
     loop = asyncio.get_running_loop()
     where = "{}:{}".format(*config.upstream_http)
     up: bool | None = None
@@ -351,14 +347,9 @@ async def refresh_models(
             now_up, err = await _read_index(config, telemetry)
             last_index = now
         else:
-            now_up, err = await _probe(config)
-        telemetry.set_upstream_up(UPSTREAM_HTTP, now_up)  # the proxy sets it too, from its connects
-        if now_up != up:
-            if now_up:
-                log.info("upstream reachable", extra={"fields": {"upstream": where}})
-            else:
-                log.warning("upstream unreachable", extra={"fields": {"upstream": where, "error": err}})
-            up = now_up
+            now_up, err = health.is_up(UPSTREAM_HTTP) is not False, ""  # the probe's view
+        health.report(UPSTREAM_HTTP, now_up, err)
+        up = now_up
         if not (readiness.upstream_ready and readiness.index_read):
             await asyncio.sleep(NOT_READY_PROBE_INTERVAL)
             continue
@@ -378,7 +369,8 @@ async def run(config: cfg.SidecarConfig) -> int:
 
     from sidecar import http_proxy
     from sidecar.admission import Admission
-    from sidecar.telemetry import Telemetry
+    from sidecar.health import UpstreamHealth
+    from sidecar.telemetry import UPSTREAM_HTTP, Telemetry
 
     # No _created series: Prometheus 2.x does not use them, and they were 8% of the
     # sidecar's series (one per counter and histogram child).
@@ -399,15 +391,19 @@ async def run(config: cfg.SidecarConfig) -> int:
         ) from None
     metrics.start()
     servers: list[tuple[str, Any]] = []
-    refresher = asyncio.create_task(refresh_models(config, telemetry, wake, readiness))
+    # upstream_up's one writer and one probe, for every upstream (the gRPC side adds its own).
+    health = UpstreamHealth(telemetry, {UPSTREAM_HTTP: config.upstream_http}, config.connect_timeout)
+    refresher = asyncio.create_task(refresh_models(config, telemetry, wake, readiness, health=health))
     try:
         admission = Admission(config.max_in_flight)  # one limit for every protocol
-        servers.append(("http", await http_proxy.serve(config, telemetry, admission)))
+        servers.append(("http", await http_proxy.serve(config, telemetry, admission, health)))
         if config.grpc_proxy_enabled and importlib.util.find_spec("sidecar.grpc_proxy") is not None:
             grpc_proxy = importlib.import_module("sidecar.grpc_proxy")
-            servers.append(("grpc", await grpc_proxy.serve(config, telemetry, admission)))
+            servers.append(("grpc", await grpc_proxy.serve(config, telemetry, admission, health=health)))
+        health.start()
     except BaseException:
         refresher.cancel()
+        health.stop()
         for _, server in servers:
             await server.stop(0)
         metrics.stop()
@@ -464,6 +460,7 @@ async def run(config: cfg.SidecarConfig) -> int:
     started = time.monotonic()
     await asyncio.gather(*(server.stop(config.drain_timeout) for _, server in servers))
     refresher.cancel()
+    health.stop()
     if provider is not None:
         provider.shutdown()
     metrics.stop()
