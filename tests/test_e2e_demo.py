@@ -1,5 +1,5 @@
 """The whole mission on one machine, as a user runs it: ``inferwatch up`` starts the real
-Triton, sidecar, GPU exporter, Prometheus, Alertmanager and pager; ``inferwatch demo``
+Triton, sidecar, GPU exporter, Prometheus, two Alertmanagers and pager; ``inferwatch demo``
 plays its incident on that stack. Each fault must produce exactly its page, nothing may
 page while traffic is healthy, recovery must send resolved notifications, and after
 SIGTERM to ``inferwatch up`` no process may be left. (What happens when a component dies:

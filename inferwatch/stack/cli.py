@@ -53,13 +53,14 @@ def register(sub: argparse._SubParsersAction) -> None:
 
     up = sub.add_parser(
         "up",
-        help="run the local stack (Triton, sidecar, GPU exporter, Prometheus, Alertmanager, pager)",
+        help="run the local stack (Triton, sidecar, GPU exporter, Prometheus, two Alertmanagers, pager)",
         description=(
             "Start the local stack in dependency order, each component waited on until healthy: "
             "Triton, the sidecar in front of it, the GPU exporter (simulated unless NVML works), the "
-            "pager receiver, Alertmanager and Prometheus with the rules generated from the spec. "
-            "Configs, data and logs go under the state dir. Runs in the foreground; Ctrl-C or SIGTERM "
-            "stops every process it started."
+            "pager receiver, two clustered Alertmanagers and Prometheus with the rules generated from the "
+            "spec. Configs, data and logs go under the state dir. Runs in the foreground; a component "
+            "that dies is restarted with backoff, and one that still fails after 5 restarts in a row "
+            "stops the stack (exit 1). Ctrl-C or SIGTERM stops every process it started."
         ),
     )
     _add_stack_args(up, DEFAULT_SPEC)
