@@ -54,7 +54,9 @@ from sidecar.admission import Admission
 from sidecar.health import UpstreamHealth
 
 if TYPE_CHECKING:
+    from sidecar.apis.routes import Api
     from sidecar.config import SidecarConfig
+    from sidecar.llm import StreamExchange, StreamTelemetry
     from sidecar.telemetry import Request, Telemetry
 
 log = logging.getLogger("inferwatch.sidecar.http")
@@ -183,6 +185,7 @@ class Exchange:
         "deadline",
         "done",
         "head_only",
+        "llm",
         "out",
         "pending",
         "pending_size",
@@ -214,6 +217,7 @@ class Exchange:
         self.safe = method in SAFE_METHODS
         self.version10 = False
         self.upstream: UpstreamConn | None = None
+        self.llm: StreamExchange | None = None  # a generative route's observer (sidecar.llm)
         self.out: list[bytes] = []
         self.req_bytes = 0
         self.resp_bytes = 0
@@ -333,9 +337,13 @@ class Exchange:
         parts.append(VIA)
         parts.append(b"\r\n")
         self.out.append(b"".join(parts))
+        if self.llm is not None:
+            self.llm.response_head(status, headers)
 
     def response_body(self, body: bytes) -> None:
         self.resp_bytes += len(body)
+        if self.llm is not None:
+            self.llm.response_body(body)
         if self.resp_chunked:
             self.out.append(b"%x\r\n%b\r\n" % (len(body), body))
         else:
@@ -365,7 +373,10 @@ class Exchange:
                 up.transport.close()
         if not self.req_complete:
             self.close_after = True  # the rest of the body would be unread: close
-        self._close(STATUS_STR[self.status], contract.OUTCOME_SUCCESS if self.status < 400 else None)
+        outcome = contract.OUTCOME_SUCCESS if self.status < 400 else None
+        if self.llm is not None:  # an error event in a 200 stream, a stream cut short
+            outcome = self.llm.close(True) or outcome
+        self._close(STATUS_STR[self.status], outcome)
 
     def fail(self, status: int) -> None:
         """The sidecar answers ``status`` itself (or, with an answer under way, cuts it)."""
@@ -377,10 +388,17 @@ class Exchange:
             up.ex = None
             up.transport.abort()
         client = self.client
+        if self.llm is not None:
+            self.llm.close(False)
         if self.resp_started:
             self.close_after = True
             self.out.clear()
-            client.transport.abort()
+            if self.llm is not None:
+                # A token stream cut by the upstream: close after the tokens already sent (a reset
+                # could destroy those the client has not read yet).
+                client.transport.close()
+            else:
+                client.transport.abort()
         else:
             if not self.req_complete or status in (400, 408, 413, 431):
                 self.close_after = True
@@ -399,6 +417,8 @@ class Exchange:
             up.ex = None
             up.transport.abort()
         self.done = True
+        if self.llm is not None:  # the tokens the client received are counted
+            self.llm.close(False, client_left=True)
         self.client.proxy.end(self, "499", contract.OUTCOME_CLIENT_ERROR)
 
     def _close(self, code: str, outcome: str | None) -> None:
@@ -666,7 +686,7 @@ class ClientConn(asyncio.Protocol):
                 path = httptools.parse_url(url).path or b"/"
             except httptools.HttpParserInvalidURLError:
                 raise _Reject(400) from None
-        model, version, route = proxy.route(path)
+        model, version, route, api = proxy.route(path)
 
         tp = None
         chunked = False
@@ -725,6 +745,8 @@ class ClientConn(asyncio.Protocol):
         lines.append(VIA)
         lines.append(b"\r\n")
         ex = Exchange(self, tel, b"".join(lines), chunked, method)
+        if api is not None:
+            ex.llm = proxy.streams.begin(api, tel)  # type: ignore[union-attr]
         ex.version10 = parser.get_http_version() == "1.0"
         ex.close_after = not parser.should_keep_alive()
         self.parsing = ex
@@ -765,6 +787,8 @@ class ClientConn(asyncio.Protocol):
             ex.pending.append(b"%x\r\n%b\r\n" % (n, body))
         else:
             ex.pending.append(body)
+        if ex.llm is not None:  # the model from the body, read as the body goes upstream
+            ex.llm.request_body(body)
         ex.pending_size += n
         self.deadline = self.proxy.loop.time() + self.proxy.config.body_timeout
 
@@ -775,6 +799,8 @@ class ClientConn(asyncio.Protocol):
             return
         if ex.chunked_req:
             ex.pending.append(b"0\r\n\r\n")
+        if ex.llm is not None:
+            ex.llm.request_end()
         ex.req_complete = True
         if self.dl_kind == _BODY:
             self.dl_kind = _WAIT
@@ -872,12 +898,15 @@ class HttpProxy:
         config: SidecarConfig,
         telemetry: Telemetry,
         admission: Admission | None = None,
+        streams: StreamTelemetry | None = None,
         health: UpstreamHealth | None = None,
     ) -> None:
         from sidecar.telemetry import UPSTREAM_HTTP
 
         self.config = config
         self.telemetry = telemetry
+        # Generative routes (sidecar.llm): which API a path speaks, and its token telemetry.
+        self.streams = streams
         # Shared with the gRPC side (sidecar.main), so --max-in-flight is the process's total.
         self.admission = admission if admission is not None else Admission(config.max_in_flight)
         self.loop = asyncio.get_running_loop()
@@ -894,7 +923,7 @@ class HttpProxy:
         self.idle_until = 0.0  # once the listener closed: when idle connections close
         self.ticks = 0  # sweeper rounds so far: a clock for the pool that costs nothing per request
         self.server: asyncio.AbstractServer | None = None
-        self._routes: dict[bytes, tuple[str, str, str]] = {}
+        self._routes: dict[bytes, tuple[str, str, str, Api | None]] = {}
         self._sweeper: asyncio.Task | None = None
         self.port = 0
 
@@ -909,10 +938,13 @@ class HttpProxy:
         self.port = self.server.sockets[0].getsockname()[1]
         self._sweeper = self.loop.create_task(self._sweep())
 
-    def route(self, path: bytes) -> tuple[str, str, str]:
+    def route(self, path: bytes) -> tuple[str, str, str, Api | None]:
+        """(model, version, route template, generative API or None), cached per path."""
         hit = self._routes.get(path)
         if hit is None:
-            hit = labels_from_path(path, self.config.routes)
+            model, version, route = labels_from_path(path, self.config.routes)
+            api = self.streams.classify(path) if self.streams is not None else None
+            hit = (model, version, route or (api.route if api is not None else ""), api)
             if len(self._routes) >= 4096:  # bounded: a flood of distinct URLs only costs re-parsing
                 self._routes.clear()
             self._routes[path] = hit
@@ -1004,9 +1036,10 @@ async def serve(
     config: SidecarConfig,
     telemetry: Telemetry,
     admission: Admission | None = None,
+    streams: StreamTelemetry | None = None,
     health: UpstreamHealth | None = None,
 ) -> HttpProxy:
     """Start the HTTP proxy on ``config.host:config.http_port``; returns it listening."""
-    proxy = HttpProxy(config, telemetry, admission, health=health)
+    proxy = HttpProxy(config, telemetry, admission, streams, health)
     await proxy.start()
     return proxy

@@ -1,0 +1,253 @@
+"""Token-stream telemetry: what the generative API modules report, turned into the contract's
+LLM metrics (DESIGN.md, "Generative (LLM) serving") and the span's GenAI attributes.
+
+The transport knows only this module's two entry points and the per-request object's few
+calls, never an API's format (STYLE.md point 11)::
+
+    streams = StreamTelemetry(registry, config, telemetry, classify)  # once; classify: sidecar.apis.routes
+    api = streams.classify(path)            # once per distinct path (the proxy caches it); None: KServe
+    st = streams.begin(api, req)            # per generative request (req: telemetry.Request)
+    st.request_body(chunk)                  # each body chunk as it goes upstream: the model, when in the body
+    st.request_end()
+    st.response_head(status, headers)       # picks the answer's observer (2xx only)
+    st.response_body(chunk)                 # each answer chunk as it goes to the client
+    outcome = st.close(complete, client_left)   # before telemetry.end: None, or server_error
+
+Per request, ``StreamExchange`` is the API module's hooks (``sidecar.apis.hooks``): TTFT at the
+first content event (from the request's first byte in), one inter-token observation per content
+event, TPOT and the prompt/generation tokens at the end, all on the request's pre-resolved
+series. The model label of an OpenAI request comes from its body (``relabel`` when the scanner
+reads it); a served name the fleet spec maps (``served_names``) becomes its model and version.
+
+Outcomes beyond the status code: an error event in a 2xx answer, or a stream cut by the
+upstream (an OpenAI stream without ``data: [DONE]``), is a ``server_error``; a client that left
+keeps its 499 (``client_error``) with the tokens it received counted.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+from inferwatch import contract
+from inferwatch.spec import token_latency_buckets
+from sidecar.apis.hooks import StreamEnd
+
+if TYPE_CHECKING:
+    from sidecar.config import SidecarConfig
+    from sidecar.telemetry import Request, Telemetry, _Series
+
+_SERVER = contract.OUTCOME_SERVER_ERROR
+_NO_LABEL = (contract.MODEL_OVERFLOW, contract.MODEL_NONE)
+
+
+class _LLMSeries:
+    """The pre-resolved LLM children of one (model, version, protocol) series."""
+
+    __slots__ = ("generation", "itl", "prompt", "tpot", "ttft")
+
+    def __init__(self, st: StreamTelemetry, s: _Series) -> None:
+        labels = (s.model, s.version, s.protocol)
+        self.ttft = st.ttft.labels(*labels)
+        self.tpot = st.tpot.labels(*labels)
+        self.itl = st.itl.labels(*labels)
+        self.prompt = st.tokens.labels(*labels, contract.TOKEN_PROMPT)
+        self.generation = st.tokens.labels(*labels, contract.TOKEN_GENERATION)
+
+
+class StreamTelemetry:
+    def __init__(
+        self,
+        registry: CollectorRegistry,
+        config: SidecarConfig,
+        telemetry: Telemetry,
+        classify: Callable[[bytes], Any],
+    ) -> None:
+        c = contract
+        spec = config.spec
+        self.spec = spec
+        self.telemetry = telemetry
+        self.classify = classify
+        self.served = spec.served_names()
+        ttft_buckets = token_latency_buckets(spec, "ttft")
+        tpot_buckets = token_latency_buckets(spec, "tpot")
+
+        def hist(m: contract.Metric, buckets: tuple[float, ...]) -> Histogram:
+            return Histogram(m.name, m.help, m.labels, registry=registry, buckets=buckets, unit=m.unit)
+
+        self.ttft = hist(c.TIME_TO_FIRST_TOKEN, ttft_buckets)
+        self.tpot = hist(c.TIME_PER_OUTPUT_TOKEN, tpot_buckets)
+        self.itl = hist(c.INTER_TOKEN_LATENCY, tpot_buckets)
+        self.tokens = Counter(
+            c.TOKENS_TOTAL.name, c.TOKENS_TOTAL.help, c.TOKENS_TOTAL.labels, registry=registry
+        )
+        self.ttft_sla = Gauge(
+            c.MODEL_TTFT_SLA.name,
+            c.MODEL_TTFT_SLA.help,
+            c.MODEL_TTFT_SLA.labels,
+            registry=registry,
+            unit="seconds",
+        )
+        self.tpot_sla = Gauge(
+            c.MODEL_TPOT_SLA.name,
+            c.MODEL_TPOT_SLA.help,
+            c.MODEL_TPOT_SLA.labels,
+            registry=registry,
+            unit="seconds",
+        )
+        self._sla_set: set[str] = set()
+        # The spec's LLM models (a token SLA or served names) have their gauges from the start;
+        # any other model gets them with its first generative request.
+        for m in spec.models:
+            if m.ttft_sla_ms is not None or m.tpot_sla_ms is not None or m.served_names:
+                self._set_sla(m.name)
+
+    def _set_sla(self, model: str) -> None:
+        self._sla_set.add(model)
+        self.ttft_sla.labels(model).set(self.spec.ttft_sla_seconds(model))
+        self.tpot_sla.labels(model).set(self.spec.tpot_sla_seconds(model))
+
+    def served_name(self, name: str) -> tuple[str, str]:
+        """(model, version) of a name a client asked for: the spec's mapping, else itself."""
+        return self.served.get(name) or (name, "")
+
+    def served_models(self, names: list[str]) -> dict[str, list[str]]:
+        """An OpenAI server's ``/v1/models`` ids as the catalog's index: model -> versions."""
+        out: dict[str, list[str]] = {}
+        for name in names:
+            model, version = self.served_name(name)
+            versions = out.setdefault(model, [])
+            if version:
+                versions.append(version)
+        return out
+
+    def series(self, s: _Series) -> _LLMSeries:
+        llm = s.llm
+        if llm is None:
+            llm = s.llm = _LLMSeries(self, s)
+            if s.model not in self._sla_set and s.model not in _NO_LABEL:
+                self._set_sla(s.model)
+        return llm
+
+    def begin(self, api: Any, req: Request) -> StreamExchange | None:
+        """The per-request observer of a generative route; None where there is nothing to watch."""
+        if not api.operation:
+            return None
+        if req.span is not None:
+            req.span.set_attribute("gen_ai.operation.name", api.operation)
+        return StreamExchange(self, api, req)
+
+
+class StreamExchange:
+    """One generative request: the API module's hooks and what the transport feeds it."""
+
+    __slots__ = ("answer", "api", "client_left", "req", "scan", "st")
+
+    def __init__(self, st: StreamTelemetry, api: Any, req: Request) -> None:
+        self.st = st
+        self.api = api
+        self.req = req
+        self.scan = api.model_scan()
+        self.answer: Any = None
+        self.client_left = False
+
+    # -- fed by the transport
+    def request_body(self, chunk: bytes) -> None:
+        scan = self.scan
+        if scan is not None:
+            name = scan.feed(chunk)
+            if name is not None:
+                self.scan = None
+                self._named(name)
+
+    def request_end(self) -> None:
+        scan = self.scan
+        if scan is not None:
+            self.scan = None
+            why = scan.finish()
+            if why and self.req.span is not None:
+                self.req.span.set_attribute("inferwatch.request.model_unread", why)
+
+    def _named(self, name: str) -> None:
+        req = self.req
+        model, version = self.st.served_name(name)
+        self.st.telemetry.relabel(req, model, version)
+        if req.span is not None:
+            req.span.set_attribute("gen_ai.request.model", name)
+
+    def response_head(self, status: int, headers: list[tuple[bytes, bytes]]) -> None:
+        if not 200 <= status < 300:
+            return  # the status tells the outcome; an error body has no tokens
+        ctype = ""
+        for name, value in headers:
+            if len(name) == 12 and name.lower() == b"content-type":
+                ctype = value.decode("latin-1")
+                break
+        self.answer = self.api.answer(self, ctype)
+
+    def response_body(self, chunk: bytes) -> None:
+        answer = self.answer
+        if answer is not None:
+            answer.feed(chunk, time.perf_counter())
+
+    def close(self, complete: bool, client_left: bool = False) -> str | None:
+        """The exchange ended: settle the answer (calls ``on_end``). ``server_error`` when a
+        2xx answer carried an error or the upstream cut it; else None (the status decides)."""
+        self.request_end()
+        answer = self.answer
+        if answer is None:
+            return None
+        self.answer = None
+        self.client_left = client_left
+        end = answer.finish(time.perf_counter(), complete)
+        if end.error is not None or (end.truncated and not client_left):
+            return _SERVER
+        return None
+
+    # -- hooks (sidecar.apis.hooks.Hooks), called by the API module
+    def on_model(self, model: str, version: str) -> None:
+        req = self.req
+        if version and req.series.version == "" and req.series.model == model:
+            self.st.telemetry.relabel(req, model, version)
+
+    def on_first_token(self, t: float, n: int) -> None:
+        req = self.req
+        ttft = self.st.series(req.series).ttft
+        span = req.span
+        if span is not None:
+            ctx = span.get_span_context()
+            if ctx.trace_flags.sampled:
+                ttft.observe(t - req.start, {"trace_id": format(ctx.trace_id, "032x")})
+                return
+        ttft.observe(t - req.start)
+
+    def on_token(self, t: float, n: int, gap: float) -> None:
+        self.st.series(self.req.series).itl.observe(gap)
+
+    def on_end(self, end: StreamEnd) -> None:
+        req = self.req
+        s = self.st.series(req.series)
+        if end.prompt_tokens:
+            s.prompt.inc(end.prompt_tokens)
+        if end.completion_tokens:
+            s.generation.inc(end.completion_tokens)
+        if end.tpot is not None:
+            s.tpot.observe(end.tpot)
+        span = req.span
+        if span is not None:
+            if end.prompt_tokens is not None:
+                span.set_attribute("gen_ai.usage.input_tokens", end.prompt_tokens)
+            if end.completion_tokens is not None:
+                span.set_attribute("gen_ai.usage.output_tokens", end.completion_tokens)
+            if end.finish_reasons:
+                span.set_attribute("gen_ai.response.finish_reasons", list(end.finish_reasons))
+            if end.first_token_t is not None:
+                span.set_attribute("inferwatch.time_to_first_token_s", end.first_token_t - req.start)
+            if end.error is not None:
+                span.set_attribute("error.type", "stream_error")
+                span.set_attribute("inferwatch.stream.error", end.error[:500])
+            elif end.truncated:
+                span.set_attribute("error.type", "client_left" if self.client_left else "stream_truncated")

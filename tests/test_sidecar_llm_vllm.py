@@ -1,0 +1,420 @@
+"""The sidecar in front of the real vLLM (``inferwatch vllm``): the official ``openai`` client gets
+through it exactly what it gets directly, and its request, token and TTFT figures agree with
+vLLM's own counters for the same traffic; aborted streams, streams without usage, malformed,
+model-less and oversized bodies, 2,000 unknown model names, and the upstream killed mid-stream.
+
+One vLLM start (35 to 120 s, about 3 GB) serves the whole module; the last test kills it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from inferwatch import contract as c
+from reference_server.llm.vllm_server import SERVED_NAMES
+from tests.fixtures.net import free_port, inferwatch_cmd, wait_http
+from tests.fixtures.sidecar import FLEET, SidecarInfo, launch_sidecar
+
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(900)]
+
+MAX_BODY = 256 * 1024
+CHAT = [{"role": "user", "content": "tell me about monitoring inference servers"}]
+
+
+@dataclass
+class Upstream:
+    url: str
+    addr: str
+    proc: subprocess.Popen
+
+
+@pytest.fixture(scope="module")
+def vllm(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Upstream]:
+    port = free_port()
+    log = tmp_path_factory.mktemp("vllm") / "vllm.log"
+    proc = subprocess.Popen(
+        inferwatch_cmd("vllm", "--port", str(port), "--log-file", str(log)),
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,
+    )
+    url = f"http://127.0.0.1:{port}"
+    try:
+        wait_http(f"{url}/v1/models", timeout=300, proc=proc)
+        yield Upstream(url, f"127.0.0.1:{port}", proc)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGTERM)
+            try:
+                proc.wait(60)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+
+
+@pytest.fixture(scope="module")
+def sidecar(vllm: Upstream, tmp_path_factory: pytest.TempPathFactory) -> Iterator[SidecarInfo]:
+    log_dir = tmp_path_factory.mktemp("llm-sidecar")
+    args = ("--spec", str(FLEET), "--grpc-port", "0", "--max-body-bytes", str(MAX_BODY))
+    with launch_sidecar(vllm.addr, "127.0.0.1:1", log_dir, *args) as info:
+        yield info
+
+
+def _client(base: str) -> openai.OpenAI:
+    return openai.OpenAI(base_url=base + "/v1", api_key="unused", max_retries=0, timeout=120)
+
+
+def _scrape(url: str) -> dict[str, list[tuple[dict[str, str], float]]]:
+    out: dict[str, list[tuple[dict[str, str], float]]] = {}
+    for family in text_string_to_metric_families(httpx.get(url, timeout=10).text):
+        for s in family.samples:
+            out.setdefault(s.name, []).append((dict(s.labels), s.value))
+    return out
+
+
+def _total(samples: dict, name: str, **match: str) -> float:
+    return sum(v for labels, v in samples.get(name, ()) if all(labels.get(k) == x for k, x in match.items()))
+
+
+def _buckets(samples: dict, name: str, **match: str) -> dict[float, float]:
+    out: dict[float, float] = {}
+    for labels, v in samples.get(name + "_bucket", ()):
+        if all(labels.get(k) == x for k, x in match.items()):
+            le = float(labels["le"])
+            out[le] = out.get(le, 0.0) + v
+    return out
+
+
+def _median(before: dict[float, float], after: dict[float, float]) -> float:
+    """The median of a histogram's increase, interpolated in its bucket (as histogram_quantile)."""
+    delta = sorted((le, after[le] - before.get(le, 0.0)) for le in after)
+    total = delta[-1][1]
+    lower, below = 0.0, 0.0
+    for le, cum in delta:
+        if cum >= total / 2:
+            return lower + (le - lower) * (total / 2 - below) / max(cum - below, 1e-9)
+        lower, below = le, cum
+    return float("nan")
+
+
+def _dump(obj: object) -> object:
+    """An answer without what differs between two requests (its id and creation time)."""
+    data = obj.model_dump() if hasattr(obj, "model_dump") else obj
+    if isinstance(data, dict):
+        return {k: _dump(v) for k, v in data.items() if k not in ("id", "created")}
+    if isinstance(data, list):
+        return [_dump(v) for v in data]
+    return data
+
+
+def _merged(chunks: list) -> tuple[list, dict]:
+    """A stream as (its events with the generated text taken out, consecutive repeats
+    collapsed; the text of each choice). vLLM puts several tokens into one event when its API
+    server falls behind the engine, so where a stream's events split differs between any two
+    requests, direct or not; what the client gets (text, finish, usage, fields) must not."""
+    shape: list = []
+    text: dict = {}
+    for chunk in chunks:
+        for choice in chunk["choices"]:
+            part = choice.get("delta", choice)
+            text[choice["index"]] = text.get(choice["index"], "") + (
+                part.get("content") or part.get("text") or ""
+            )
+            part["content" if "delta" in choice else "text"] = "..."
+        if not shape or shape[-1] != chunk:
+            shape.append(chunk)
+    return shape, text
+
+
+def _ask(client: openai.OpenAI, kind: str, stream: bool, model: str = SERVED_NAMES[0], **kw) -> object:
+    common = {"model": model, "max_tokens": 16, "temperature": 0.0, "seed": 7, **kw}
+    if kind == "chat":
+        answer = client.chat.completions.create(messages=CHAT, stream=stream, **common)
+    else:
+        answer = client.completions.create(prompt="monitoring inference servers", stream=stream, **common)
+    return [_dump(chunk) for chunk in answer] if stream else _dump(answer)
+
+
+@pytest.mark.parametrize("kind", ["chat", "completions"])
+@pytest.mark.parametrize("stream", [False, True])
+def test_the_openai_client_gets_through_the_sidecar_what_it_gets_directly(
+    vllm: Upstream, sidecar: SidecarInfo, kind: str, stream: bool
+) -> None:
+    direct, proxied = _client(vllm.url), _client(sidecar.base_url)
+    options = {"stream_options": {"include_usage": True}} if stream else {}
+    for model in SERVED_NAMES:
+        want = _ask(direct, kind, stream, model, **options)
+        got = _ask(proxied, kind, stream, model, **options)
+        if stream:
+            assert len(got) > 3  # one event per token went through, not one blob
+            assert got[-1]["usage"] == want[-1]["usage"]
+            got, want = _merged(got), _merged(want)
+        assert got == want
+    # The model list passes too (and is what bounds the model label).
+    assert _dump(proxied.models.list().data) == _dump(direct.models.list().data)
+
+
+def test_requests_and_tokens_equal_vllms_own_counters_and_ttft_sits_just_above(
+    vllm: Upstream, sidecar: SidecarInfo
+) -> None:
+    client = _client(sidecar.base_url)
+    vllm_metrics = vllm.url + "/metrics"
+    sc0, v0 = _scrape(sidecar.metrics_url), _scrape(vllm_metrics)
+    usage = {"stream_options": {"include_usage": True}}
+    streams = 0
+    for i in range(24):
+        model = SERVED_NAMES[i % 2]
+        _ask(client, "chat", True, model, max_tokens=8 + i, **usage)
+        _ask(client, "completions", True, model, max_tokens=8 + i, **usage)
+        streams += 2
+    time.sleep(1.5)  # vLLM's API server publishes its engine's stats about once a second
+    sc_streams, v_streams = _scrape(sidecar.metrics_url), _scrape(vllm_metrics)
+    sent = streams
+    for i in range(6):
+        _ask(client, "chat", False, SERVED_NAMES[i % 2])
+        _ask(client, "completions", False, SERVED_NAMES[i % 2])
+        sent += 2
+    time.sleep(1.5)
+    sc1, v1 = _scrape(sidecar.metrics_url), _scrape(vllm_metrics)
+
+    def sidecar_delta(name: str, **match: str) -> float:
+        return _total(sc1, name, model="tiny-llm", **match) - _total(sc0, name, model="tiny-llm", **match)
+
+    def vllm_delta(name: str) -> float:
+        return _total(v1, name) - _total(v0, name)
+
+    requests = sidecar_delta(c.REQUESTS_TOTAL.name, outcome="success")
+    assert requests == sent == vllm_delta("vllm:request_success_total")
+    prompt = sidecar_delta(c.TOKENS_TOTAL.name, type=c.TOKEN_PROMPT)
+    generation = sidecar_delta(c.TOKENS_TOTAL.name, type=c.TOKEN_GENERATION)
+    assert prompt == vllm_delta("vllm:prompt_tokens_total") > 0
+    assert generation == vllm_delta("vllm:generation_tokens_total") > 0
+    # Both served names count under the one model, each as its version (fleet.yaml served_names).
+    versions = {labels["version"] for labels, v in sc1[c.TOKENS_TOTAL.name] if v}
+    assert versions >= {"1", "2"}
+
+    # TTFT over the streams (a non-streamed answer has no first token to time): the sidecar's
+    # clock starts earlier (the request's first byte in) and stops later (the first content
+    # event out) than vLLM's, on the same requests.
+    ttft, vttft = c.TIME_TO_FIRST_TOKEN.name, "vllm:time_to_first_token_seconds"
+    assert _total(sc_streams, ttft + "_count") - _total(sc0, ttft + "_count") == streams
+    assert _total(v_streams, vttft + "_count") - _total(v0, vttft + "_count") == streams
+    mean_sidecar = (_total(sc_streams, ttft + "_sum") - _total(sc0, ttft + "_sum")) / streams
+    mean_vllm = (_total(v_streams, vttft + "_sum") - _total(v0, vttft + "_sum")) / streams
+    median_sidecar = _median(_buckets(sc0, ttft), _buckets(sc_streams, ttft))
+    median_vllm = _median(_buckets(v0, vttft), _buckets(v_streams, vttft))
+    figures = {
+        "streams": streams,
+        "ttft_mean_ms": {"sidecar": 1000 * mean_sidecar, "vllm": 1000 * mean_vllm},
+        "ttft_median_ms (bucket-interpolated)": {
+            "sidecar": 1000 * median_sidecar,
+            "vllm": 1000 * median_vllm,
+        },
+    }
+    print("TTFT figures:", json.dumps(figures))
+    assert mean_sidecar >= mean_vllm
+
+
+def test_a_stream_without_usage_counts_the_tokens_it_passed(vllm: Upstream, sidecar: SidecarInfo) -> None:
+    client = _client(sidecar.base_url)
+    sc0, v0 = _scrape(sidecar.metrics_url), _scrape(vllm.url + "/metrics")
+    chunks = [_ask(client, "chat", True, max_tokens=20 + i) for i in range(4)]
+    time.sleep(1.5)
+    sc1, v1 = _scrape(sidecar.metrics_url), _scrape(vllm.url + "/metrics")
+    assert all(not chunk.get("usage") for stream in chunks for chunk in stream)
+    name = c.TOKENS_TOTAL.name
+    generation = _total(sc1, name, type=c.TOKEN_GENERATION) - _total(sc0, name, type=c.TOKEN_GENERATION)
+    # Chat streams: one event per token, so the count is exact (sidecar/apis/README.md).
+    want = _total(v1, "vllm:generation_tokens_total") - _total(v0, "vllm:generation_tokens_total")
+    assert generation == want > 0
+    # Without usage the prompt's size is not in the answer: nothing is guessed.
+    assert _total(sc1, name, type=c.TOKEN_PROMPT) == _total(sc0, name, type=c.TOKEN_PROMPT)
+
+
+def _sse_request(path: str, body: dict) -> bytes:
+    payload = json.dumps(body).encode()
+    return (
+        f"POST {path} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        f"Content-Length: {len(payload)}\r\n\r\n"
+    ).encode() + payload
+
+
+def test_a_client_that_leaves_mid_stream_is_499_with_the_tokens_it_got(sidecar: SidecarInfo) -> None:
+    before = _scrape(sidecar.metrics_url)
+    body = {"model": "tiny-llm", "messages": CHAT, "max_tokens": 400, "min_tokens": 400, "stream": True}
+    with socket.create_connection(("127.0.0.1", sidecar.http_port), timeout=60) as sock:
+        sock.sendall(_sse_request("/v1/chat/completions", body))
+        got = b""
+        while got.count(b'"content":"') < 6:  # the role-only event and five tokens
+            got += sock.recv(4096)
+    deadline = time.monotonic() + 30
+    while True:
+        after = _scrape(sidecar.metrics_url)
+        left = _total(after, "inferwatch_requests_total", model="tiny-llm", code="499") - _total(
+            before, "inferwatch_requests_total", model="tiny-llm", code="499"
+        )
+        if left or time.monotonic() > deadline:
+            break
+        time.sleep(0.2)
+    assert left == 1
+    assert _total(after, "inferwatch_requests_total", code="499", outcome=c.OUTCOME_CLIENT_ERROR) > _total(
+        before, "inferwatch_requests_total", code="499", outcome=c.OUTCOME_CLIENT_ERROR
+    )
+    name = c.TOKENS_TOTAL.name
+    tokens = _total(after, name, type=c.TOKEN_GENERATION) - _total(before, name, type=c.TOKEN_GENERATION)
+    assert 5 <= tokens < 400  # what passed to the client before it left, not the whole answer
+
+
+def test_malformed_modelless_and_oversized_bodies(vllm: Upstream, sidecar: SidecarInfo) -> None:
+    def both(content: bytes) -> tuple[httpx.Response, httpx.Response]:
+        headers = {"content-type": "application/json"}
+        direct = httpx.post(vllm.url + "/v1/chat/completions", content=content, headers=headers, timeout=60)
+        proxied = httpx.post(
+            sidecar.base_url + "/v1/chat/completions", content=content, headers=headers, timeout=60
+        )
+        return direct, proxied
+
+    before = _scrape(sidecar.metrics_url)
+    for bad in (b'{"model": "tiny-llm", "messages": [', b"not json", b'["tiny-llm"]', b'{"model": 7}'):
+        direct, proxied = both(bad)
+        assert proxied.status_code == direct.status_code and 400 <= direct.status_code < 500, bad
+        assert proxied.json().keys() == direct.json().keys()
+    # No model: vLLM serves its first name; the request has no model to label it with.
+    direct, proxied = both(json.dumps({"messages": CHAT, "max_tokens": 4}).encode())
+    assert proxied.status_code == direct.status_code
+    # Megabytes of messages before the model: over --max-body-bytes, refused before vLLM sees it.
+    huge = json.dumps({"messages": [{"role": "user", "content": "x" * MAX_BODY}], "model": "tiny-llm"})
+    resp = httpx.post(sidecar.base_url + "/v1/chat/completions", content=huge, timeout=60)
+    assert resp.status_code == 413
+    # The model after a long prompt (within the limit) is still found.
+    long = {
+        "messages": [{"role": "user", "content": "hello " * 5000}],
+        "max_tokens": 2,
+        "model": "tiny-llm-canary",
+    }
+    assert httpx.post(sidecar.base_url + "/v1/chat/completions", json=long, timeout=60).status_code in (
+        200,
+        400,
+    )
+    after = _scrape(sidecar.metrics_url)
+
+    def delta(**match: str) -> float:
+        return _total(after, "inferwatch_requests_total", **match) - _total(
+            before, "inferwatch_requests_total", **match
+        )
+
+    # Three bodies without a readable model and the 413; the cut body named its model first.
+    assert delta(model=c.MODEL_NONE, outcome=c.OUTCOME_CLIENT_ERROR) == 3 + 1
+    assert delta(model="tiny-llm", version="1", outcome=c.OUTCOME_CLIENT_ERROR) == 1
+    assert delta(model=c.MODEL_NONE, outcome=c.OUTCOME_SUCCESS) == (1 if direct.status_code == 200 else 0)
+    assert delta(model="tiny-llm", version="2") == 1
+    assert delta(model=c.MODEL_OVERFLOW) == 0
+
+
+def test_two_thousand_unknown_model_names_keep_the_labels_bounded(sidecar: SidecarInfo) -> None:
+    with httpx.Client(base_url=sidecar.base_url, timeout=60) as client:
+        for i in range(2000):
+            body = {"model": f"no-such-model-{i}", "messages": CHAT, "max_tokens": 1}
+            assert client.post("/v1/chat/completions", json=body).status_code == 404
+    samples = _scrape(sidecar.metrics_url)
+    models = {labels["model"] for labels, _ in samples["inferwatch_requests_total"]}
+    assert models <= {"tiny-llm", c.MODEL_OVERFLOW, c.MODEL_NONE}
+    assert _total(samples, "inferwatch_requests_total", model=c.MODEL_OVERFLOW, code="404") >= 2000
+    for name in (c.TIME_TO_FIRST_TOKEN.name + "_count", c.TOKENS_TOTAL.name):
+        assert {labels["model"] for labels, _ in samples.get(name, ())} <= {"tiny-llm", c.MODEL_NONE}, name
+
+
+def test_spans_carry_the_gen_ai_attributes(vllm: Upstream, tmp_path: Path) -> None:
+    env = {"OTEL_TRACES_EXPORTER": "console", "OTEL_BSP_SCHEDULE_DELAY": "100"}
+    args = ("--spec", str(FLEET), "--grpc-port", "0", "--trace-sample-ratio", "1")
+    with launch_sidecar(vllm.addr, "127.0.0.1:1", tmp_path, *args, env=env, name="traced") as sc:
+        trace_id = "7bf92f3577b34da6a3ce929d0e0e4731"
+        client = openai.OpenAI(
+            base_url=sc.base_url + "/v1",
+            api_key="unused",
+            max_retries=0,
+            default_headers={"traceparent": f"00-{trace_id}-10f067aa0ba902b8-01"},
+        )
+        chunks = list(
+            client.chat.completions.create(
+                model="tiny-llm-canary",
+                messages=CHAT,
+                max_tokens=6,
+                stream=True,
+                stream_options={"include_usage": True},
+            )
+        )
+        usage = chunks[-1].usage
+        deadline = time.monotonic() + 15
+        spans: list[dict] = []
+        while time.monotonic() < deadline and not spans:
+            spans = [
+                json.loads(line)
+                for line in sc.log().splitlines()
+                if line.startswith("{") and '"context"' in line and trace_id in line
+            ]
+            time.sleep(0.2)
+    assert len(spans) == 1
+    attrs = spans[0]["attributes"]
+    assert spans[0]["name"] == "POST /v1/chat/completions"
+    assert attrs["gen_ai.operation.name"] == "chat"
+    assert attrs["gen_ai.request.model"] == "tiny-llm-canary"
+    assert (attrs["inferwatch.model"], attrs["inferwatch.model_version"]) == ("tiny-llm", "2")
+    assert attrs["gen_ai.usage.input_tokens"] == usage.prompt_tokens
+    assert attrs["gen_ai.usage.output_tokens"] == usage.completion_tokens
+    assert attrs["gen_ai.response.finish_reasons"] == [chunks[-2].choices[0].finish_reason]
+    assert attrs["http.response.status_code"] == 200
+
+
+def _kill_vllm(launcher: subprocess.Popen) -> None:
+    """SIGKILL vLLM itself (API server, engine, worker: one process group of its own under the
+    launcher), as a crash would; then the launcher."""
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[1]) == launcher.pid:  # ppid
+            os.killpg(int(stat.parent.name), signal.SIGKILL)
+    os.killpg(launcher.pid, signal.SIGTERM)
+    launcher.wait(60)
+
+
+def test_the_upstream_killed_mid_stream_is_a_server_error_and_the_client_stream_closes(
+    vllm: Upstream, sidecar: SidecarInfo
+) -> None:
+    """Last: vLLM does not come back."""
+    before = _scrape(sidecar.metrics_url)
+    body = {"model": "tiny-llm", "messages": CHAT, "max_tokens": 400, "min_tokens": 400, "stream": True}
+    with socket.create_connection(("127.0.0.1", sidecar.http_port), timeout=60) as sock:
+        sock.sendall(_sse_request("/v1/chat/completions", body))
+        got = b""
+        while got.count(b'"content":"') < 4:
+            got += sock.recv(4096)
+        _kill_vllm(vllm.proc)
+        while True:  # the sidecar closes the client's stream: EOF, not a hang or a reset
+            more = sock.recv(65536)
+            if not more:
+                break
+            got += more
+    # Every token read, then no chunked terminator: the client can tell the stream was cut.
+    assert not got.endswith(b"0\r\n\r\n")
+    after = _scrape(sidecar.metrics_url)
+    assert _total(after, "inferwatch_requests_total", model="tiny-llm", outcome=c.OUTCOME_SERVER_ERROR) == (
+        _total(before, "inferwatch_requests_total", model="tiny-llm", outcome=c.OUTCOME_SERVER_ERROR) + 1
+    )
+    name = c.TOKENS_TOTAL.name
+    assert _total(after, name, type=c.TOKEN_GENERATION) >= _total(before, name, type=c.TOKEN_GENERATION) + 3
