@@ -23,8 +23,6 @@ one ``Telemetry``; everything a request costs is two calls::
   split: 5xx (and 429), the gRPC codes in ``GRPC_SERVER_ERRORS``, and failures the
   sidecar saw itself (HTTP 502/503/504; gRPC UNAVAILABLE/DEADLINE_EXCEEDED) are
   ``server_error``; other 4xx / gRPC codes are ``client_error``.
-- ``relabel(req, model, version)``: the model became known after ``begin`` (an OpenAI
-  request names it in its body): the request moves to that series before ``end``.
 - ``set_upstream_up(upstream, up)`` with ``UPSTREAM_HTTP`` or ``UPSTREAM_GRPC``.
 - ``model_label(name)``: the name itself when the upstream serves it (its repository
   index, given through ``update_models``), the spec lists it, or the upstream already
@@ -130,7 +128,6 @@ class _Series:
         "counters",
         "durations",
         "in_flight",
-        "llm",
         "model",
         "protocol",
         "version",
@@ -146,7 +143,6 @@ class _Series:
         self.bytes_out = tel.resp_bytes.labels(model, protocol)
         # (code, outcome) -> counter child, filled as codes appear (bounded: codes are few).
         self.counters: dict[tuple[str, str], Any] = {}
-        self.llm: Any = None  # sidecar.llm's children, made on the first generative request
 
 
 class Request:
@@ -216,7 +212,6 @@ class Telemetry:
             self.sla.labels(name).set(sla)
         self.catalog = ModelCatalog(self.max_models, self._configured, self._on_admit)
         self._series: dict[tuple[str, str, str], _Series] = {}
-        self.in_flight_total = 0
 
     # ------------------------------------------------------------------ labels
     def _on_admit(self, name: str) -> None:
@@ -274,7 +269,6 @@ class Telemetry:
             if series.model != model or series.version != version:
                 claim = (model, version)
         series.in_flight.inc()
-        self.in_flight_total += 1
         span = None
         out_tp = None
         if self.tracer is not None:
@@ -284,32 +278,12 @@ class Telemetry:
             req.claim = claim
         return req
 
-    def relabel(self, req: Request, model: str, version: str) -> None:
-        """The request's model became known after ``begin`` (an OpenAI body's ``model``, the
-        version a Triton answer names): move it, in-flight gauge included, to that series."""
-        if req.done:
-            return
-        old = req.series
-        series = self._series.get((model, version, old.protocol))
-        if series is None:
-            series = self._resolve(model, version, old.protocol)
-        req.claim = None if series.model == model and series.version == version else (model, version)
-        if series is old:
-            return
-        old.in_flight.dec()
-        series.in_flight.inc()
-        req.series = series
-        if req.span is not None:
-            req.span.set_attribute("inferwatch.model", series.model)
-            req.span.set_attribute("inferwatch.model_version", series.version)
-
     def end(self, req: Request, code: str, outcome: str, req_bytes: int = 0, resp_bytes: int = 0) -> None:
         if req.done:
             return
         req.done = True
         elapsed = time.perf_counter() - req.start
         s = req.series
-        self.in_flight_total -= 1
         s.in_flight.dec()
         if req.claim is not None and outcome == _OK and (code == "OK" or code[0] == "2"):
             s = self._proven(req, s)
