@@ -265,8 +265,21 @@ def _dechunk(data: bytes) -> bytes:
     return b"".join(out)
 
 
-async def _read_index(config: cfg.SidecarConfig, telemetry: Any) -> tuple[bool, str]:
-    """Read the upstream's ready models into telemetry; (reachable, error text)."""
+async def fetch_openai_models(host: str, port: int, timeout: float) -> list[str] | None:
+    """The ids of an OpenAI-compatible server's ``GET /v1/models``, None when it has none."""
+    status, payload = await upstream_exchange(host, port, "GET", "/v1/models", b"", timeout)
+    try:
+        data = json.loads(payload).get("data") if status == 200 else None
+    except (ValueError, AttributeError):
+        return None
+    if not isinstance(data, list):
+        return None
+    return [e["id"] for e in data if isinstance(e, dict) and isinstance(e.get("id"), str)]
+
+
+async def _read_index(config: cfg.SidecarConfig, telemetry: Any, streams: Any = None) -> tuple[bool, str]:
+    """Read the upstream's ready models into telemetry (the KServe repository index, else an
+    OpenAI server's ``/v1/models`` through the spec's served names); (reachable, error text)."""
     host, port = config.upstream_http
     try:
         status, data = await fetch_repository_index(host, port, config.connect_timeout + 5.0)
@@ -282,7 +295,16 @@ async def _read_index(config: cfg.SidecarConfig, telemetry: Any) -> tuple[bool, 
         telemetry.update_models(served)
         return True, ""
     if status in (404, 405, 501) or (status and status < 500 and data is None):
-        telemetry.update_models(None, supported=False)  # not a KServe server: no index
+        names = None
+        if streams is not None:  # an OpenAI-compatible server (vLLM, SGLang, TGI...)?
+            try:
+                names = await fetch_openai_models(host, port, config.connect_timeout + 5.0)
+            except (OSError, TimeoutError) as exc:
+                return False, str(exc) or type(exc).__name__
+        if names is not None:
+            telemetry.update_models(streams.served_models(names))
+            return True, ""
+        telemetry.update_models(None, supported=False)  # no index: names are admitted up to the cap
         return True, ""
     return 0 < status < 500, f"HTTP {status}"
 
@@ -307,6 +329,7 @@ async def refresh_models(
     telemetry: Any,
     wake: asyncio.Event,
     readiness: Readiness,
+    streams: Any = None,
     health: Any = None,
 ) -> None:
     """Keep telemetry's served-model set equal to the upstream's repository index and
@@ -335,7 +358,7 @@ async def refresh_models(
             readiness.upstream = said
             readiness.upstream_ready = ready
             if ready:
-                now_up, err = await _read_index(config, telemetry)
+                now_up, err = await _read_index(config, telemetry, streams)
                 last_index = now
                 readiness.index_read = telemetry.catalog.index_read
                 if readiness.index_read:
@@ -344,7 +367,7 @@ async def refresh_models(
                 now_up, err = not said.startswith("unreachable"), said
         elif up is not True or wake.is_set() or now - last_index >= config.model_refresh_interval:
             wake.clear()
-            now_up, err = await _read_index(config, telemetry)
+            now_up, err = await _read_index(config, telemetry, streams)
             last_index = now
         else:
             now_up, err = health.is_up(UPSTREAM_HTTP) is not False, ""  # the probe's view
@@ -369,7 +392,9 @@ async def run(config: cfg.SidecarConfig) -> int:
 
     from sidecar import http_proxy
     from sidecar.admission import Admission
+    from sidecar.apis.routes import classify
     from sidecar.health import UpstreamHealth
+    from sidecar.llm import StreamTelemetry
     from sidecar.telemetry import UPSTREAM_HTTP, Telemetry
 
     # No _created series: Prometheus 2.x does not use them, and they were 8% of the
@@ -378,6 +403,7 @@ async def run(config: cfg.SidecarConfig) -> int:
     registry = CollectorRegistry()
     tracer, provider = build_tracer(config)
     telemetry = Telemetry(registry, config, tracer)
+    streams = StreamTelemetry(registry, config, telemetry, classify)
     loop = asyncio.get_running_loop()
     wake = asyncio.Event()
     telemetry.on_unknown_model = wake.set
@@ -393,13 +419,13 @@ async def run(config: cfg.SidecarConfig) -> int:
     servers: list[tuple[str, Any]] = []
     # upstream_up's one writer and one probe, for every upstream (the gRPC side adds its own).
     health = UpstreamHealth(telemetry, {UPSTREAM_HTTP: config.upstream_http}, config.connect_timeout)
-    refresher = asyncio.create_task(refresh_models(config, telemetry, wake, readiness, health=health))
+    refresher = asyncio.create_task(refresh_models(config, telemetry, wake, readiness, streams, health))
     try:
         admission = Admission(config.max_in_flight)  # one limit for every protocol
-        servers.append(("http", await http_proxy.serve(config, telemetry, admission, health)))
+        servers.append(("http", await http_proxy.serve(config, telemetry, admission, streams, health)))
         if config.grpc_proxy_enabled and importlib.util.find_spec("sidecar.grpc_proxy") is not None:
             grpc_proxy = importlib.import_module("sidecar.grpc_proxy")
-            servers.append(("grpc", await grpc_proxy.serve(config, telemetry, admission, health=health)))
+            servers.append(("grpc", await grpc_proxy.serve(config, telemetry, admission, streams, health)))
         health.start()
     except BaseException:
         refresher.cancel()

@@ -23,6 +23,8 @@ one ``Telemetry``; everything a request costs is two calls::
   split: 5xx (and 429), the gRPC codes in ``GRPC_SERVER_ERRORS``, and failures the
   sidecar saw itself (HTTP 502/503/504; gRPC UNAVAILABLE/DEADLINE_EXCEEDED) are
   ``server_error``; other 4xx / gRPC codes are ``client_error``.
+- ``relabel(req, model, version)``: the model became known after ``begin`` (an OpenAI
+  request names it in its body): the request moves to that series before ``end``.
 - ``set_upstream_up(upstream, up)`` with ``UPSTREAM_HTTP`` or ``UPSTREAM_GRPC``.
 - ``model_label(name)``: the name itself when the upstream serves it (its repository
   index, given through ``update_models``), the spec lists it, or the upstream already
@@ -128,6 +130,7 @@ class _Series:
         "counters",
         "durations",
         "in_flight",
+        "llm",
         "model",
         "protocol",
         "version",
@@ -143,6 +146,7 @@ class _Series:
         self.bytes_out = tel.resp_bytes.labels(model, protocol)
         # (code, outcome) -> counter child, filled as codes appear (bounded: codes are few).
         self.counters: dict[tuple[str, str], Any] = {}
+        self.llm: Any = None  # sidecar.llm's children, made on the first generative request
 
 
 class Request:
@@ -277,6 +281,25 @@ class Telemetry:
         if claim is not None:
             req.claim = claim
         return req
+
+    def relabel(self, req: Request, model: str, version: str) -> None:
+        """The request's model became known after ``begin`` (an OpenAI body's ``model``, the
+        version a Triton answer names): move it, in-flight gauge included, to that series."""
+        if req.done:
+            return
+        old = req.series
+        series = self._series.get((model, version, old.protocol))
+        if series is None:
+            series = self._resolve(model, version, old.protocol)
+        req.claim = None if series.model == model and series.version == version else (model, version)
+        if series is old:
+            return
+        old.in_flight.dec()
+        series.in_flight.inc()
+        req.series = series
+        if req.span is not None:
+            req.span.set_attribute("inferwatch.model", series.model)
+            req.span.set_attribute("inferwatch.model_version", series.version)
 
     def end(self, req: Request, code: str, outcome: str, req_bytes: int = 0, resp_bytes: int = 0) -> None:
         if req.done:
