@@ -1,4 +1,4 @@
-"""Upstream health: the only writer of ``inferwatch_upstream_up``, and its one probe.
+"""Upstream health: the only writer of the upstream_up gauge, and its one probe.
 
 Two kinds of evidence reach it, for each upstream (``UPSTREAM_HTTP``, ``UPSTREAM_GRPC``):
 

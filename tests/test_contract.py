@@ -12,7 +12,7 @@ from inferwatch import contract
 
 ROOT = Path(__file__).resolve().parents[1]
 NAME_RE = re.compile(
-    r"(?<![\w:])(inferwatch_[a-z0-9_]+|DCGM_FI_[A-Z0-9_]+|nv_inference_[a-z0-9_]+|vllm:[a-z0-9_]+)(?![\w:])"
+    r"(?<![\w:])(inferwatch_[a-z0-9_]+|DCGM_FI_[A-Z0-9_]+|nv_inference_[a-z0-9_]+|vllm:[a-z_][a-z0-9_]*)(?![\w:])"
 )
 SUFFIXES = ("_bucket", "_sum", "_count", "_created", "_total")
 CODE_SUFFIXES = (".py", ".yaml", ".yml", ".json", ".pbtxt", ".libsonnet")
