@@ -257,6 +257,21 @@ def test_an_error_after_n_tokens_is_a_server_error_with_its_tokens(
 
 
 @pytest.mark.integration
+def test_a_client_that_cancels_mid_stream_is_counted_with_the_tokens_it_got(proxy) -> None:
+    m = proxy.m
+    s = Stream(proxy.url)
+    try:
+        s.send("r1", 500, True)
+        s.read(3)
+    finally:
+        s.client.stop_stream(cancel_requests=True)
+        s.client.close()
+    wait_for(lambda: m.requests("CANCELLED", "client_error") == 1, what="the cancelled request counted")
+    assert m.value(REQUESTS, model=MODEL) == 1
+    assert 3 <= m.tokens() < 500 and m.count(TTFT) == 1 and m.count(TPOT) == 1
+
+
+@pytest.mark.integration
 def test_two_requests_on_one_stream_and_unary_calls_record_no_tokens(proxy) -> None:
     m = proxy.m
     s = Stream(proxy.url)
