@@ -34,6 +34,7 @@ from sidecar.telemetry import Telemetry
 from tests.fixtures.sidecar import launch_sidecar
 from tests.test_sidecar_grpc import (
     REQUESTS,
+    SmallTriton,
     infer_inputs,
     served_models,
     wait_for,
@@ -269,6 +270,34 @@ def test_a_client_that_cancels_mid_stream_is_counted_with_the_tokens_it_got(prox
     wait_for(lambda: m.requests("CANCELLED", "client_error") == 1, what="the cancelled request counted")
     assert m.value(REQUESTS, model=MODEL) == 1
     assert 3 <= m.tokens() < 500 and m.count(TTFT) == 1 and m.count(TPOT) == 1
+
+
+@pytest.mark.integration
+@pytest.mark.parametrize("engine", ENGINES)
+def test_an_upstream_killed_mid_stream_is_a_server_error_with_the_tokens_sent(
+    loop, engine, processes, tmp_path
+) -> None:
+    server = SmallTriton(processes, tmp_path, 0, f"--load-model={MODEL}").start()
+    p = TokenProxy(loop, engine, server.grpc_url)
+    try:
+        p.serve_models({MODEL: ["1", "2"]})
+        s = Stream(p.url)
+        try:
+            s.send("r1", 500, True)
+            s.read(3)
+            server.kill()
+            wait_for(
+                lambda: p.m.requests("UNAVAILABLE", "server_error") == 1,
+                what="the cut stream counted",
+            )
+        finally:
+            s.client.stop_stream(cancel_requests=True)
+            s.client.close()
+        assert p.m.value(REQUESTS, model=MODEL) == 1
+        assert 3 <= p.m.tokens() < 500 and p.m.count(TTFT) == 1
+    finally:
+        p.close()
+        server.stop()
 
 
 @pytest.mark.integration
