@@ -316,6 +316,18 @@ def _register_pager(sub: argparse._SubParsersAction) -> None:
         default=10.0,
         help="seconds a client gets to send a request's headers (default: %(default)s)",
     )
+    pager.add_argument(
+        "--resolve-grace",
+        type=float,
+        default=None,
+        metavar="SECONDS",
+        help=(
+            "a firing with the startsAt of a page resolved less than this long ago is a second "
+            "Alertmanager's stale copy, kept on the resolved page; a later one reopens it "
+            "(default: $INFERWATCH_PAGER_RESOLVE_GRACE, else 75: a 15 s peer timeout plus a 1 m "
+            "group interval; 0 turns it off)"
+        ),
+    )
     pager.set_defaults(func=_pager)
 
 

@@ -1,5 +1,6 @@
 """``inferwatch pager``, the real process: bearer and read tokens, durable storage, alert
-occurrences (repeats stored once, a fire after a resolve reopens), the JSON and HTML views
+occurrences (repeats stored once, a fire after a resolve reopens, a second Alertmanager's
+stale firing just after the resolve does not), the JSON and HTML views
 with paging, every bad input a 4xx, the body limit while streaming, the header timeout,
 rate-limited warnings, security headers, clean shutdown and one-line startup errors."""
 
@@ -7,6 +8,7 @@ from __future__ import annotations
 
 import base64
 import json
+import os
 import signal
 import socket
 import sqlite3
@@ -16,11 +18,14 @@ from pathlib import Path
 
 import httpx
 
-from alert_rules.pager import PageStore
+from alert_rules.pager import PageStore, WebhookPayload
 from tests.fixtures.alerting import Pager, make_pager, webhook
 from tests.fixtures.net import Processes, inferwatch_cmd
 
 T0 = "2026-11-30T09:00:00.000000000Z"
+STORED = {"stored": True, "duplicate": False, "stale_firing": False, "alerts": 1}
+REPEAT = {"stored": False, "duplicate": True, "stale_firing": False, "alerts": 1}
+GRACE = 1.5  # --resolve-grace for the tests that re-fire after it
 
 
 def log_lines(pager: Pager) -> list[dict]:
@@ -48,7 +53,7 @@ def test_webhook_requires_the_bearer_token_and_warns_at_a_bounded_rate(pager: Pa
 
 def test_a_notification_becomes_a_page_with_its_labels_and_links(pager: Pager) -> None:
     resp = pager.post(webhook())
-    assert resp.status_code == 200 and resp.json() == {"stored": True, "duplicate": False, "alerts": 1}
+    assert resp.status_code == 200 and resp.json() == STORED
     [page] = pager.pages()
     assert page["status"] == "firing" and page["severity"] == "critical" and page["receiver"] == "pager"
     assert (page["alertname"], page["model"], page["version"]) == ("InferenceHighErrorRate", "ranker", "2")
@@ -74,7 +79,7 @@ def test_a_notification_becomes_a_page_with_its_labels_and_links(pager: Pager) -
 def test_repeated_deliveries_are_stored_once(pager: Pager) -> None:
     first, again = pager.post(webhook()), pager.post(webhook())
     assert first.json()["stored"] is True
-    assert again.status_code == 200 and again.json() == {"stored": False, "duplicate": True, "alerts": 1}
+    assert again.status_code == 200 and again.json() == REPEAT
     # The same instant written another way (as a second Alertmanager might) is the same event.
     assert pager.post(webhook(startsAt="2026-11-30T10:00:00+01:00")).json()["duplicate"] is True
     body = httpx.get(pager.url + "/pages", timeout=10).json()
@@ -89,9 +94,23 @@ def test_repeated_deliveries_are_stored_once(pager: Pager) -> None:
     assert body["pages"][0]["notifications"] == 1
 
 
-def test_a_fire_after_a_resolve_reopens_the_page_whatever_its_starts_at(pager: Pager) -> None:
+def sent_by(external_url: str, status: str = "firing") -> dict:
+    """A notification as the Alertmanager at ``external_url`` sends it."""
+    return {**webhook(status), "externalURL": external_url}
+
+
+def grace_pager(tmp_path: Path, processes: Processes, grace: float = GRACE) -> Pager:
+    pager = make_pager(tmp_path, processes)
+    pager.args = ("--resolve-grace", str(grace))
+    return pager.start()
+
+
+def test_a_fire_after_a_resolve_reopens_the_page_whatever_its_starts_at(
+    tmp_path: Path, processes: Processes
+) -> None:
     """Finding 1: Prometheus re-sends the same startsAt after it could not reach
     Alertmanager for longer than endsAt, or after a restart that restored ``for``."""
+    pager = grace_pager(tmp_path, processes)
     pager.post(webhook())
     assert pager.post(webhook("resolved")).json()["stored"] is True
     [page] = pager.pages()
@@ -100,8 +119,9 @@ def test_a_fire_after_a_resolve_reopens_the_page_whatever_its_starts_at(pager: P
     # The retry of that resolved notification changes nothing.
     assert pager.post(webhook("resolved")).json()["duplicate"] is True
 
-    # Firing again with the same startsAt: a new occurrence, firing, listed first.
-    assert pager.post(webhook()).json() == {"stored": True, "duplicate": False, "alerts": 1}
+    # Firing again with the same startsAt after the grace: a new occurrence, listed first.
+    time.sleep(GRACE + 0.5)
+    assert pager.post(webhook()).json() == STORED
     reopened, old = pager.pages()
     assert (reopened["status"], reopened["starts_at"]) == ("firing", T0)
     assert (old["status"], old["ends_at"]) == ("resolved", "2026-11-30T09:10:00.000000000Z")
@@ -122,6 +142,81 @@ def test_a_fire_after_a_resolve_reopens_the_page_whatever_its_starts_at(pager: P
     ]
     html = httpx.get(pager.url + "/", timeout=10).text
     assert "0 firing" in html and "2 resolved" in html and "lasted 30m" in html
+
+
+def test_a_stale_firing_from_the_other_alertmanager_stays_on_the_resolved_page(
+    tmp_path: Path, processes: Processes
+) -> None:
+    """Two clustered Alertmanagers: the first sends resolved, the second (its flush missed the
+    resolve: prometheus/alertmanager#4008) sends the old firing one peer timeout later, then
+    resolved with the same endsAt. One incident, one page, resolved. After the grace, the
+    same firing is a genuine re-fire and reopens."""
+    pager = grace_pager(tmp_path, processes, grace=4)
+    am1, am2 = "http://am-0.example:9093", "http://am-1.example:9093"
+    assert pager.post(sent_by(am1)).json() == STORED
+    assert pager.post(sent_by(am2)).json() == REPEAT  # gossip missed: a repeat
+    assert pager.post(sent_by(am1, "resolved")).json() == STORED
+    stale = pager.post(sent_by(am2)).json()
+    assert stale == {**STORED, "stale_firing": True}
+    [page] = pager.pages()
+    assert (page["status"], page["ends_at"]) == ("resolved", "2026-11-30T09:10:00.000000000Z")
+    assert page["notifications"] == 3
+    # The second instance resolves it too, with Prometheus' endsAt: a repeat.
+    assert pager.post(sent_by(am2, "resolved")).json() == REPEAT
+    counts = httpx.get(pager.url + "/pages", timeout=10).json()["counts"]
+    assert (counts["pages"], counts["firing"], counts["resolved"]) == (1, 0, 1)
+    assert (counts["notifications"], counts["deliveries"]) == (3, 5)
+    html = httpx.get(pager.url + "/", timeout=10).text
+    assert "0 firing" in html and "1 resolved" in html
+    [line] = [r for r in log_lines(pager) if r["msg"].startswith("stale firing")]
+    assert line["msg"] == "stale firing after resolved recorded on the resolved page"
+    # Within the grace a firing with another startsAt is a new occurrence all the same.
+    other = webhook(startsAt="2026-11-30T09:20:00Z", fingerprint="other-fp")
+    assert pager.post(other).json() == STORED
+
+    # Past the grace: Prometheus re-sends the same startsAt after an outage; it reopens.
+    time.sleep(4.5)
+    assert pager.post(sent_by(am1)).json() == STORED
+    assert pager.post(sent_by(am2)).json() == REPEAT
+    pages = [p for p in pager.pages() if p["fingerprint"] == "4d0f0a1c2b3e4f50"]
+    assert [p["status"] for p in pages] == ["firing", "resolved"]
+
+
+def test_the_resolve_grace_is_a_flag_or_an_environment_variable(tmp_path: Path) -> None:
+    from alert_rules.pager.server import RESOLVE_GRACE_ENV
+
+    token = tmp_path / "t"
+    token.write_text("tok\n")
+    for env, args, message in [
+        ("abc", (), f"{RESOLVE_GRACE_ENV} must be a number of seconds, not 'abc'"),
+        ("-1", (), f"{RESOLVE_GRACE_ENV} must be between 0 and 86400 seconds"),
+        ("nan", (), f"{RESOLVE_GRACE_ENV} must be between 0 and 86400 seconds"),
+        ("5", ("--resolve-grace", "1e9"), "--resolve-grace must be between 0 and 86400 seconds"),
+    ]:
+        proc = subprocess.run(
+            inferwatch_cmd("pager", "--token-file", str(token), "--db", str(tmp_path / "db"), *args),
+            capture_output=True,
+            text=True,
+            timeout=60,
+            env={**os.environ, RESOLVE_GRACE_ENV: env},
+        )
+        assert proc.returncode == 2, proc.stderr
+        assert proc.stderr.strip() == f"inferwatch: error: {message}"
+
+
+def test_the_resolve_grace_from_the_environment_reaches_the_store(
+    tmp_path: Path, processes: Processes, monkeypatch
+) -> None:
+    from alert_rules.pager.server import RESOLVE_GRACE_ENV
+
+    pager = make_pager(tmp_path, processes)
+    # Pager.start passes the test process' environment on to the pager.
+    monkeypatch.setenv(RESOLVE_GRACE_ENV, "0")
+    pager.start()
+    assert [r["resolve_grace_s"] for r in log_lines(pager) if r["msg"] == "pager starting"] == [0.0]
+    pager.post(webhook())
+    pager.post(webhook("resolved"))
+    assert pager.post(webhook()).json() == STORED  # grace 0: every re-fire reopens
 
 
 def test_a_later_start_while_open_ends_the_earlier_occurrence(pager: Pager) -> None:
@@ -376,9 +471,25 @@ def test_a_schema_1_database_is_carried_over(tmp_path: Path) -> None:
     db.close()
     store = PageStore(tmp_path / "old.db")
     [page] = store.pages({})
+    assert store._db.execute("PRAGMA user_version").fetchone()[0] == 3
     assert (page["fingerprint"], page["starts_at"], page["version"]) == ("fp1", T0, "2")
     counts = store.counts()
     assert (counts["firing"], counts["notifications"], counts["deliveries"]) == (1, 1, 2)
+    store.close()
+
+
+def test_a_schema_2_database_gets_the_resolve_time(tmp_path: Path) -> None:
+    store = PageStore(tmp_path / "v2.db")
+    for status in ("firing", "resolved"):
+        payload = WebhookPayload.model_validate(webhook(status))
+        store.add(payload, json.dumps(webhook(status)))
+    store._db.executescript(
+        "ALTER TABLE occurrences DROP COLUMN resolved_received_at; PRAGMA user_version = 2;"
+    )
+    store.close()
+    store = PageStore(tmp_path / "v2.db")
+    [row] = store._db.execute("SELECT last_received_at, resolved_received_at FROM occurrences")
+    assert row[1] == row[0] != ""
     store.close()
 
 

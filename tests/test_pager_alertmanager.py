@@ -4,6 +4,8 @@ same startsAt) reopens the page, and the same alert delivered by two Alertmanage
 
 from __future__ import annotations
 
+import json
+import time
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
@@ -14,10 +16,11 @@ import yaml
 from alert_rules.generate import build
 from inferwatch.spec import parse_spec
 from tests.fixtures.alerting import Pager, make_pager, start_alertmanager, wait_for
-from tests.fixtures.net import Processes, free_port
+from tests.fixtures.net import Processes, free_port, wait_http
 
 ROOT = Path(__file__).resolve().parents[1]
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(180)]
+GRACE = 2.0  # the pager's --resolve-grace, scaled down like the route timings
 LABELS = {"alertname": "InferenceHighErrorRate", "severity": "critical", "model": "flappy", "version": "1"}
 
 
@@ -51,7 +54,9 @@ def post_alert(am: str, starts: datetime, ends: datetime) -> None:
 def test_an_alert_that_fires_again_with_the_same_starts_at_reopens_its_page(
     tmp_path: Path, processes: Processes
 ) -> None:
-    pager = make_pager(tmp_path, processes).start()
+    pager = make_pager(tmp_path, processes)
+    pager.args = ("--resolve-grace", str(GRACE))
+    pager.start()
     am = start_alertmanager(processes, tmp_path, alertmanager_config(tmp_path, pager), free_port())
     starts = datetime.now(UTC).replace(microsecond=0) - timedelta(minutes=5)
 
@@ -66,7 +71,9 @@ def test_an_alert_that_fires_again_with_the_same_starts_at_reopens_its_page(
     )
     assert resolved["starts_at"] == starts.strftime("%Y-%m-%dT%H:%M:%S.000000000Z")
 
-    # Prometheus reaches Alertmanager again and re-sends the alert with its old startsAt.
+    # Prometheus reaches Alertmanager again and re-sends the alert with its old startsAt,
+    # later than the pager's grace for a second Alertmanager's stale firing.
+    time.sleep(GRACE + 0.5)
     post_alert(am, starts, datetime.now(UTC) + timedelta(hours=1))
     active = httpx.get(f"{am}/api/v2/alerts", params={"filter": 'model="flappy"'}, timeout=10).json()
     assert [a["status"]["state"] for a in active] == ["active"]
@@ -102,3 +109,76 @@ def test_the_same_alert_from_two_alertmanagers_is_one_page(tmp_path: Path, proce
     assert counts()["notifications"] == 1
     log = pager.log_path.read_text()
     assert log.count('"msg": "notification stored"') == 1 and '"msg": "repeated delivery ignored"' in log
+
+
+def start_clustered_alertmanagers(processes: Processes, tmp: Path, config: Path) -> list[str]:
+    """Two Alertmanagers gossiping on loopback with a 2 s peer timeout (the local stack's)."""
+    web, gossip = [free_port(), free_port()], [free_port(), free_port()]
+    procs = []
+    for i in (0, 1):
+        workdir = tmp / f"am{i}"
+        workdir.mkdir()
+        cmd = [
+            "prometheus-alertmanager",
+            f"--config.file={config}",
+            f"--storage.path={workdir / 'data'}",
+            f"--web.listen-address=127.0.0.1:{web[i]}",
+            f"--cluster.listen-address=127.0.0.1:{gossip[i]}",
+            f"--cluster.peer=127.0.0.1:{gossip[1 - i]}",
+            "--cluster.peer-timeout=2s",
+        ]
+        procs.append(processes.start(f"alertmanager-{i}", cmd))
+    urls = [f"http://127.0.0.1:{p}" for p in web]
+    for url, proc in zip(urls, procs, strict=True):
+        wait_http(f"{url}/-/ready", timeout=60, proc=proc)
+    wait_for(
+        "the two Alertmanagers to see each other",
+        lambda: all(
+            len(httpx.get(f"{u}/api/v2/status", timeout=10).json()["cluster"].get("peers") or []) == 2
+            for u in urls
+        ),
+        timeout=60,
+    )
+    return urls
+
+
+def test_a_stale_firing_from_the_second_alertmanager_is_not_a_new_page(
+    tmp_path: Path, processes: Processes
+) -> None:
+    """The race of prometheus/alertmanager#4008 through a real clustered pair: the resolve
+    reaches the first instance only (as when the second one's flush snapshot predates it),
+    the first sends resolved, the second sends the old firing one peer timeout later (its
+    view against the gossiped log), then resolved when the resolve reaches it. One page."""
+    pager = make_pager(tmp_path, processes)
+    pager.args = ("--resolve-grace", "20")
+    pager.start()
+    am1, am2 = start_clustered_alertmanagers(processes, tmp_path, alertmanager_config(tmp_path, pager))
+    starts = datetime.now(UTC).replace(microsecond=0) - timedelta(minutes=1)
+    for am in (am1, am2):
+        post_alert(am, starts, datetime.now(UTC) + timedelta(hours=1))
+    wait_for("the page", lambda: pager.pages(model="flappy"), timeout=60)
+
+    def stored(what: str) -> list[dict]:
+        lines = [json.loads(x) for x in pager.log_path.read_text().splitlines() if x.startswith("{")]
+        return [r for r in lines if r["msg"].startswith(what)]
+
+    ends = datetime.now(UTC)
+    post_alert(am1, starts, ends)  # Prometheus' resolved alert reaches the first instance
+    wait_for("the resolved page", lambda: pager.pages(model="flappy", status="resolved"), timeout=60)
+    wait_for(
+        "the second instance's stale firing",
+        lambda: stored("stale firing") or len(pager.pages(model="flappy")) > 1,
+        timeout=60,
+    )
+    assert [p["status"] for p in pager.pages(model="flappy")] == ["resolved"]
+    [stale] = stored("stale firing")
+    assert stale["status"] == "firing"
+    post_alert(am2, starts, ends)  # Prometheus' resend of the resolved alert reaches the second
+    wait_for(
+        "the second instance's resolved",
+        lambda: [r for r in stored("repeated delivery") if r["status"] == "resolved"],
+        timeout=60,
+    )
+    [page] = pager.pages(model="flappy")
+    assert page["status"] == "resolved" and page["notifications"] == 3
+    assert len(stored("notification stored")) == 2  # the firing and the first resolved

@@ -17,11 +17,12 @@ from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
 from inferwatch import logs
 
-from .store import PageStore
+from .store import DEFAULT_RESOLVE_GRACE, PageStore
 from .web import create_app
 
 TOKEN_ENV = "INFERWATCH_PAGER_TOKEN"
 READ_TOKEN_ENV = "INFERWATCH_PAGER_READ_TOKEN"
+RESOLVE_GRACE_ENV = "INFERWATCH_PAGER_RESOLVE_GRACE"
 # A client gets this long to send a request's headers; then the connection is closed.
 HEADER_TIMEOUT = 10.0
 log = logging.getLogger("inferwatch.pager")
@@ -126,12 +127,13 @@ def serve(
     read_token: str | None = None,
     sock: socket.socket | None = None,
     header_timeout: float = HEADER_TIMEOUT,
+    resolve_grace: float = DEFAULT_RESOLVE_GRACE,
 ) -> int:
     """Runs until SIGTERM/SIGINT (uvicorn finishes in-flight requests), then closes the DB."""
     import uvicorn
 
     sock = sock or listen(host, port)
-    store = PageStore(db)
+    store = PageStore(db, resolve_grace)
     app = create_app(store, token, read_token)
     protocol = type("PagerProtocol", (HeaderTimeoutProtocol,), {"header_timeout": header_timeout})
     config = uvicorn.Config(app, http=protocol, log_config=None, access_log=False, lifespan="off")
@@ -144,6 +146,7 @@ def serve(
                 "port": port,
                 "db": str(db),
                 "read_token": read_token is not None,
+                "resolve_grace_s": resolve_grace,
                 **store.counts(),
             }
         },
@@ -162,6 +165,24 @@ def serve(
     return 0 if server.started else 1
 
 
+def resolve_grace(flag: float | None) -> float:
+    """The stale-firing grace in seconds: ``flag``, else $INFERWATCH_PAGER_RESOLVE_GRACE, else
+    the default; ValueError naming the source when it is not 0 to 86400."""
+    if flag is not None:
+        value, source = flag, "--resolve-grace"
+    elif os.environ.get(RESOLVE_GRACE_ENV, "").strip():
+        text, source = os.environ[RESOLVE_GRACE_ENV].strip(), RESOLVE_GRACE_ENV
+        try:
+            value = float(text)
+        except ValueError:
+            raise ValueError(f"{source} must be a number of seconds, not {text[:40]!r}") from None
+    else:
+        return DEFAULT_RESOLVE_GRACE
+    if not 0 <= value <= 86400:  # NaN fails this too
+        raise ValueError(f"{source} must be between 0 and 86400 seconds")
+    return value
+
+
 def main(args: argparse.Namespace) -> int:
     from inferwatch.cli import CliError
     from inferwatch.paths import state_dir
@@ -178,13 +199,17 @@ def main(args: argparse.Namespace) -> int:
     header_timeout = getattr(args, "header_timeout", HEADER_TIMEOUT)
     if not 0 < header_timeout <= 3600:
         raise CliError("--header-timeout must be between 0 and 3600 seconds", code=2)
+    try:
+        grace = resolve_grace(getattr(args, "resolve_grace", None))
+    except ValueError as exc:
+        raise CliError(str(exc), code=2) from None
     db = Path(args.db) if args.db else state_dir() / "pager.db"
     try:
         sock = listen(args.host, args.port)
     except OSError as exc:
         raise CliError(f"cannot listen on {args.host}:{args.port}: {exc.strerror or exc}") from None
     try:
-        return serve(args.host, args.port, db, token, read_token_value, sock, header_timeout)
+        return serve(args.host, args.port, db, token, read_token_value, sock, header_timeout, grace)
     except sqlite3.Error as exc:
         raise CliError(f"cannot use the database {db}: {exc}") from None
     except OSError as exc:

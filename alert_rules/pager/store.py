@@ -10,14 +10,20 @@ alert in a notification is an event applied at most once:
   startsAt. Prometheus re-sends the same startsAt when it could not reach Alertmanager
   for longer than the alert's endsAt, or after a restart that restored the ``for`` state,
   so "same startsAt" does not mean "same occurrence".
+- except a stale firing: the same startsAt as the resolved latest occurrence, received
+  within ``resolve_grace`` seconds of that occurrence's first resolved delivery. A second
+  clustered Alertmanager whose flush missed the resolve sends exactly that, one peer
+  timeout after the first one's resolved (prometheus/alertmanager#4008, #2447), and its
+  payload is the same as a genuine re-fire's but for externalURL, which replicas may
+  share. A genuine re-fire with the same startsAt needs Prometheus to have been cut off
+  for longer than the alert's endsAt horizon, so it comes later; it is recorded as a
+  delivery of the resolved occurrence instead of a new page.
 - resolved (fingerprint, startsAt, endsAt): a repeat when an occurrence already ended
   with exactly that; else it closes the open occurrence with that startsAt (or is
   recorded as one that opened and closed unseen).
 
 One Alertmanager sends a group's notifications in order, so its own retries cannot put
-a firing after its resolved. A second instance that missed the resolve can (it still
-believes the alert firing); it then resolves the alert itself later, with its own
-endsAt, which closes the reopened page.
+a firing after its resolved.
 """
 
 from __future__ import annotations
@@ -25,14 +31,18 @@ from __future__ import annotations
 import json
 import sqlite3
 import threading
-from datetime import UTC, datetime
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
 from inferwatch import contract as c
 
 from .payload import WebhookAlert, WebhookPayload, normalize_time
 
-SCHEMA_VERSION = 2
+SCHEMA_VERSION = 3
+# How long after an occurrence's resolved delivery a firing with its startsAt is taken for
+# a stale one: Alertmanager's default --cluster.peer-timeout (15 s) plus the critical
+# route's group_interval (1 m).
+DEFAULT_RESOLVE_GRACE = 75.0
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS notifications (
     id INTEGER PRIMARY KEY,
@@ -57,7 +67,8 @@ CREATE TABLE IF NOT EXISTS occurrences (
     annotations TEXT NOT NULL,
     first_received_at TEXT NOT NULL,
     last_received_at TEXT NOT NULL,
-    notifications INTEGER NOT NULL DEFAULT 1
+    notifications INTEGER NOT NULL DEFAULT 1,
+    resolved_received_at TEXT NOT NULL DEFAULT ''
 );
 CREATE INDEX IF NOT EXISTS occurrences_alert ON occurrences (receiver, fingerprint, starts_at);
 CREATE INDEX IF NOT EXISTS occurrences_status ON occurrences (status, severity);
@@ -80,9 +91,12 @@ class PageStore:
     """SQLite, one connection guarded by a lock; every write is committed (WAL, synchronous
     FULL) before the webhook answers, so an answered notification is on disk."""
 
-    def __init__(self, path: Path) -> None:
+    def __init__(self, path: Path, resolve_grace: float = DEFAULT_RESOLVE_GRACE) -> None:
+        if not 0 <= resolve_grace <= 86400:
+            raise ValueError("the resolve grace must be between 0 and 86400 seconds")
         path.parent.mkdir(parents=True, exist_ok=True)
         self.path = path
+        self.resolve_grace = timedelta(seconds=resolve_grace)
         self._lock = threading.Lock()
         self._db = sqlite3.connect(path, check_same_thread=False, isolation_level=None)
         self._db.row_factory = sqlite3.Row
@@ -108,6 +122,15 @@ class PageStore:
                     db.execute(statement)
             if version < SCHEMA_VERSION and "pages" in tables:
                 self._copy_v1()
+            columns = {r[1] for r in db.execute("PRAGMA table_info(occurrences)")}
+            if "resolved_received_at" not in columns:
+                db.execute("ALTER TABLE occurrences ADD COLUMN resolved_received_at TEXT NOT NULL DEFAULT ''")
+            if version < 3:
+                # Schema 2 and 1 did not keep it; the last delivery is the closest we have.
+                db.execute(
+                    "UPDATE occurrences SET resolved_received_at = last_received_at"
+                    " WHERE status = 'resolved' AND resolved_received_at = ''"
+                )
             db.execute(f"PRAGMA user_version = {SCHEMA_VERSION}")
             db.execute("COMMIT")
         except BaseException:
@@ -156,8 +179,10 @@ class PageStore:
         with self._lock:
             self._db.execute("SELECT 1").fetchone()
 
-    def add(self, payload: WebhookPayload, raw: str) -> bool:
-        """Applies a notification's alerts; False when every one was a repeat."""
+    def add(self, payload: WebhookPayload, raw: str) -> str:
+        """Applies a notification's alerts: ``stored`` when one changed a page, ``stale``
+        when the only news was a stale firing (recorded on its resolved page), else
+        ``repeat``."""
         now = now_iso()
         with self._lock:
             db = self._db
@@ -167,8 +192,9 @@ class PageStore:
                     "INSERT INTO counters VALUES ('deliveries', 1)"
                     " ON CONFLICT (name) DO UPDATE SET value = value + 1"
                 )
-                new = [self._apply(payload.receiver, a, now) for a in payload.alerts]
-                if any(new):
+                outcomes = {self._apply(payload.receiver, a, now) for a in payload.alerts}
+                outcome = next((o for o in ("stored", "stale") if o in outcomes), "repeat")
+                if outcome != "repeat":
                     db.execute(
                         "INSERT INTO notifications (received_at, receiver, status, group_key, payload)"
                         " VALUES (?, ?, ?, ?, ?)",
@@ -178,52 +204,68 @@ class PageStore:
             except BaseException:
                 db.execute("ROLLBACK")
                 raise
-        return any(new)
+        return outcome
 
-    def _apply(self, receiver: str, a: WebhookAlert, now: str) -> bool:
+    def _apply(self, receiver: str, a: WebhookAlert, now: str) -> str:
         db = self._db
         fp = (receiver, a.fingerprint)
         annotations = json.dumps(a.annotations, sort_keys=True)
         if a.status == "firing":
             latest = db.execute(
-                "SELECT id, status, starts_at FROM occurrences WHERE receiver = ? AND fingerprint = ?"
-                " ORDER BY id DESC LIMIT 1",
+                "SELECT id, status, starts_at, resolved_received_at FROM occurrences"
+                " WHERE receiver = ? AND fingerprint = ? ORDER BY id DESC LIMIT 1",
                 fp,
             ).fetchone()
+            if latest and latest["status"] == "resolved" and self._stale(a, latest, now):
+                db.execute(
+                    "UPDATE occurrences SET last_received_at = ?, notifications = notifications + 1"
+                    " WHERE id = ?",
+                    (now, latest["id"]),
+                )
+                return "stale"
             if latest and latest["status"] == "firing":
                 if a.startsAt <= latest["starts_at"]:
-                    return False  # a repeat, or news older than the open occurrence
+                    return "repeat"  # a repeat, or news older than the open occurrence
                 # A later start while open: the earlier occurrence ended and its resolved
                 # notification never came; it ended by this start at the latest.
                 db.execute(
-                    "UPDATE occurrences SET status = 'resolved', ends_at = ? WHERE id = ?",
-                    (a.startsAt, latest["id"]),
+                    "UPDATE occurrences SET status = 'resolved', ends_at = ?, resolved_received_at = ?"
+                    " WHERE id = ?",
+                    (a.startsAt, now, latest["id"]),
                 )
             self._insert(receiver, a, annotations, now)
-            return True
+            return "stored"
         seen = db.execute(
             "SELECT 1 FROM occurrences WHERE receiver = ? AND fingerprint = ? AND starts_at = ?"
             " AND status = 'resolved' AND ends_at = ?",
             (*fp, a.startsAt, a.endsAt),
         ).fetchone()
         if seen:
-            return False
+            return "repeat"
         cur = db.execute(
             "UPDATE occurrences SET status = 'resolved', ends_at = ?, annotations = ?,"
-            " last_received_at = ?, notifications = notifications + 1"
+            " last_received_at = ?, notifications = notifications + 1, resolved_received_at = ?"
             " WHERE id = (SELECT id FROM occurrences WHERE receiver = ? AND fingerprint = ?"
             " AND starts_at = ? AND status = 'firing' ORDER BY id DESC LIMIT 1)",
-            (a.endsAt, annotations, now, *fp, a.startsAt),
+            (a.endsAt, annotations, now, now, *fp, a.startsAt),
         )
         if cur.rowcount == 0:
             self._insert(receiver, a, annotations, now)
-        return True
+        return "stored"
+
+    def _stale(self, a: WebhookAlert, latest: sqlite3.Row, now: str) -> bool:
+        """Whether firing ``a`` is a stale copy of the resolved occurrence ``latest``: the
+        same startsAt, received within the grace after that occurrence's resolve."""
+        if a.startsAt != latest["starts_at"] or not latest["resolved_received_at"]:
+            return False
+        since = datetime.fromisoformat(now) - datetime.fromisoformat(latest["resolved_received_at"])
+        return since <= self.resolve_grace
 
     def _insert(self, receiver: str, a: WebhookAlert, annotations: str, now: str) -> None:
         self._db.execute(
             "INSERT INTO occurrences (receiver, fingerprint, starts_at, ends_at, status, alertname,"
-            " severity, model, version, labels, annotations, first_received_at, last_received_at)"
-            " VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+            " severity, model, version, labels, annotations, first_received_at, last_received_at,"
+            " resolved_received_at) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
             (
                 receiver,
                 a.fingerprint,
@@ -238,6 +280,7 @@ class PageStore:
                 annotations,
                 now,
                 now,
+                now if a.status == "resolved" else "",
             ),
         )
 

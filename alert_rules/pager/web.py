@@ -142,9 +142,15 @@ def create_app(store: PageStore, token: str, read_token: str | None = None) -> F
             payload = parse_body(raw)
         except BadPayload as exc:
             return reject(exc.status, str(exc), client)
-        stored = await run_in_threadpool(store.add, payload, raw.decode("utf-8"))
+        outcome = await run_in_threadpool(store.add, payload, raw.decode("utf-8"))
         log.info(
-            "notification stored" if stored else "repeated delivery ignored",
+            {
+                "stored": "notification stored",
+                # Another Alertmanager's firing just after this one's resolved (its flush
+                # missed the resolve): kept on the resolved page, not a new one.
+                "stale": "stale firing after resolved recorded on the resolved page",
+                "repeat": "repeated delivery ignored",
+            }[outcome],
             extra={
                 "fields": {
                     "receiver": payload.receiver,
@@ -155,7 +161,12 @@ def create_app(store: PageStore, token: str, read_token: str | None = None) -> F
                 }
             },
         )
-        return {"stored": stored, "duplicate": not stored, "alerts": len(payload.alerts)}
+        return {
+            "stored": outcome != "repeat",
+            "duplicate": outcome == "repeat",
+            "stale_firing": outcome == "stale",
+            "alerts": len(payload.alerts),
+        }
 
     def unauthorized_read(request: Request, html: bool) -> Response | None:
         if expected_read is None:
