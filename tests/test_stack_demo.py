@@ -122,3 +122,20 @@ def test_the_error_burst_starts_at_a_fixed_place_in_its_window() -> None:
     # The lead never exceeds the window, and never undercuts what the rate needs.
     tiny = parse_spec({"alerts": {"error_rate": {"window": "3s"}}, "prometheus": {"scrape_interval": "2s"}})
     assert error_burst_lead(tiny) == 3
+
+
+def test_the_rule_timings_are_the_ones_the_alert_groups_export(monkeypatch) -> None:
+    """One source: the demo's minimums move with the timing a group exports, and the demo
+    reads no alert setting of the spec itself."""
+    from alert_rules.config import AlertTiming
+    from inferwatch.stack import timing
+
+    exported = timing.timings(timing.RulesConfig.from_spec(DEMO))
+    lat = exported[contract.ALERT_HIGH_P99_LATENCY]
+    assert theoretical_minimum(DEMO, lat.alertname) == lat.condition_s + 2 + 3
+    changed = {**exported, lat.alertname: AlertTiming(lat.alertname, 41.0, 7.0)}
+    monkeypatch.setattr(timing, "timings", lambda cfg: changed)
+    assert theoretical_minimum(DEMO, lat.alertname) == 41 + 2 + 3
+    assert timing.resolve_bound(DEMO, lat.alertname) == 7 + 2 + 5
+    source = (ROOT / "inferwatch" / "stack" / "timing.py").read_text()
+    assert "spec.alerts" not in source

@@ -2,13 +2,19 @@
 and what it holds each delay against. Everything here is read from the fleet spec.
 
 The theoretical minimum of a fault is its rule's condition time (``condition_seconds``) plus
-one evaluation interval plus the group wait of its severity's route.
+one evaluation interval plus the group wait of its severity's route. The rule's own timing
+(its condition time and data window) is the one its alert group exports
+(``alert_rules.groups.timings``), so the rules and the demo cannot disagree; this module
+adds what the demo's measurement needs on top (the first error window's scrapes, the
+evaluation, the routes).
 """
 
 from __future__ import annotations
 
 import math
 
+from alert_rules.config import AlertTiming, RulesConfig
+from alert_rules.groups import timings
 from inferwatch import contract
 from inferwatch.spec import FleetSpec, duration_seconds
 
@@ -21,6 +27,15 @@ def route_for(spec: FleetSpec, severity: str):
     }[severity]
 
 
+def rule_timing(spec: FleetSpec, alertname: str) -> AlertTiming:
+    """The timing the alert's group exports for this spec (KeyError for an untimed alert)."""
+    return timings(RulesConfig.from_spec(spec))[alertname]
+
+
+def _error_window(spec: FleetSpec) -> float:
+    return rule_timing(spec, contract.ALERT_HIGH_ERROR_RATE).window_s
+
+
 def first_window_lead(spec: FleetSpec) -> float:
     """The shortest part of the first error window a burst must cover for that window to count.
 
@@ -30,7 +45,7 @@ def first_window_lead(spec: FleetSpec) -> float:
     intervals (the worst alignment, as the evaluation interval in the minimum is).
     """
     scrape = duration_seconds(spec.prometheus.scrape_interval)
-    return min(2 * scrape, duration_seconds(spec.alerts.error_rate.window))
+    return min(2 * scrape, _error_window(spec))
 
 
 def error_burst_lead(spec: FleetSpec) -> float:
@@ -43,7 +58,7 @@ def error_burst_lead(spec: FleetSpec) -> float:
     (at the demo's rate, about one a second) time to be scraped twice inside it. Shorter
     leads, down to ``first_window_lead``, page sooner when the first errors come at once
     and a window later when they do not."""
-    window = duration_seconds(spec.alerts.error_rate.window)
+    window = _error_window(spec)
     scrape = duration_seconds(spec.prometheus.scrape_interval)
     return min(window, max(first_window_lead(spec), window - scrape))
 
@@ -51,27 +66,20 @@ def error_burst_lead(spec: FleetSpec) -> float:
 def condition_seconds(spec: FleetSpec, alertname: str) -> float:
     """The shortest time a fault must last before its rule's condition holds, per the spec.
 
-    The error rule judges N consecutive tumbling windows aligned to multiples of the window
-    (alert_rules/groups/errors.py): a burst that starts late in one window can make that
-    window's ratio cross the threshold, so N windows are satisfied after N-1 whole windows
-    and the part of the first that the rate needs to see it (``first_window_lead``). The
-    latency and GPU rules hold their condition for ``for``.
+    The exported condition time, and for the error rule the part of the first window that
+    the rate needs to see a burst: its N consecutive tumbling windows are satisfied after
+    N-1 whole windows (what the group exports) and ``first_window_lead`` of the first. The
+    latency and GPU rules hold their condition for ``for`` (exported as is).
     """
-    a = spec.alerts
+    condition = rule_timing(spec, alertname).condition_s
     if alertname == contract.ALERT_HIGH_ERROR_RATE:
-        return (a.error_rate.consecutive_windows - 1) * duration_seconds(a.error_rate.window) + (
-            first_window_lead(spec)
-        )
-    if alertname == contract.ALERT_HIGH_P99_LATENCY:
-        return duration_seconds(a.latency.for_)
-    if alertname == contract.ALERT_GPU_MEMORY_PRESSURE:
-        return duration_seconds(a.gpu_memory.for_)
-    raise KeyError(alertname)
+        return condition + first_window_lead(spec)
+    return condition
 
 
 def next_error_window_start(spec: FleetSpec, now: float) -> float:
     """The first instant from ``now`` that lies ``error_burst_lead`` before an error window ends."""
-    window = duration_seconds(spec.alerts.error_rate.window)
+    window = _error_window(spec)
     lead = error_burst_lead(spec)
     return math.ceil((now + lead) / window) * window - lead
 
@@ -88,13 +96,9 @@ def theoretical_minimum(spec: FleetSpec, alertname: str) -> float:
 
 def resolve_bound(spec: FleetSpec, alertname: str) -> float:
     """Expected time from clearing a fault to its resolved notification: the data window
-    the condition looks at, an evaluation, and Alertmanager's group interval."""
-    a = spec.alerts
-    window = {
-        contract.ALERT_HIGH_ERROR_RATE: duration_seconds(a.error_rate.window),
-        contract.ALERT_HIGH_P99_LATENCY: duration_seconds(a.latency.window),
-        contract.ALERT_GPU_MEMORY_PRESSURE: duration_seconds(spec.prometheus.scrape_interval),
-    }[alertname]
+    the condition looks at (exported by the rule's group), an evaluation, and Alertmanager's
+    group interval."""
+    window = rule_timing(spec, alertname).window_s
     severity = contract.TIERED_ALERTS[alertname]
     return (
         window
@@ -108,12 +112,11 @@ def default_steady(spec: FleetSpec) -> float:
     anything been wrong: the longest time a rule needs (N error windows of data, or a
     ``for``), one evaluation, the longest group wait. So "nothing paged while healthy" is a
     statement about every rule."""
-    a = spec.alerts
-    spans = (
-        a.error_rate.consecutive_windows * duration_seconds(a.error_rate.window),
-        duration_seconds(a.latency.for_),
-        duration_seconds(a.gpu_memory.for_),
-    )
+    rules = timings(RulesConfig.from_spec(spec))
+    # The error rule needs all N windows of data from a cold start: N-1 and the first one.
+    spans = [t.condition_s for t in rules.values()]
+    errors = rules[contract.ALERT_HIGH_ERROR_RATE]
+    spans.append(errors.condition_s + errors.window_s)
     routes = (spec.routing.critical, spec.routing.warning, spec.routing.info)
     wait = max(duration_seconds(r.group_wait) for r in routes)
     return max(spans) + duration_seconds(spec.prometheus.evaluation_interval) + wait
