@@ -16,8 +16,8 @@ alert in a notification is an event applied at most once:
   timeout after the first one's resolved (prometheus/alertmanager#4008, #2447), and its
   payload is the same as a genuine re-fire's but for externalURL, which replicas may
   share. A genuine re-fire with the same startsAt needs Prometheus to have been cut off
-  for longer than the alert's endsAt horizon, so it comes later; it is recorded as a
-  delivery of the resolved occurrence instead of a new page.
+  for longer than the alert's endsAt horizon, so it comes later. A stale firing is a
+  repeat delivery of the resolved occurrence: it changes no page.
 - resolved (fingerprint, startsAt, endsAt): a repeat when an occurrence already ended
   with exactly that; else it closes the open occurrence with that startsAt (or is
   recorded as one that opened and closed unseen).
@@ -180,9 +180,9 @@ class PageStore:
             self._db.execute("SELECT 1").fetchone()
 
     def add(self, payload: WebhookPayload, raw: str) -> str:
-        """Applies a notification's alerts: ``stored`` when one changed a page, ``stale``
-        when the only news was a stale firing (recorded on its resolved page), else
-        ``repeat``."""
+        """Applies a notification's alerts: ``stored`` when one changed a page (then the
+        notification is kept), ``stale`` when one was a stale firing and none changed a
+        page (a repeat, said apart for the log), else ``repeat``."""
         now = now_iso()
         with self._lock:
             db = self._db
@@ -194,7 +194,7 @@ class PageStore:
                 )
                 outcomes = {self._apply(payload.receiver, a, now) for a in payload.alerts}
                 outcome = next((o for o in ("stored", "stale") if o in outcomes), "repeat")
-                if outcome != "repeat":
+                if outcome == "stored":
                     db.execute(
                         "INSERT INTO notifications (received_at, receiver, status, group_key, payload)"
                         " VALUES (?, ?, ?, ?, ?)",
@@ -217,12 +217,7 @@ class PageStore:
                 fp,
             ).fetchone()
             if latest and latest["status"] == "resolved" and self._stale(a, latest, now):
-                db.execute(
-                    "UPDATE occurrences SET last_received_at = ?, notifications = notifications + 1"
-                    " WHERE id = ?",
-                    (now, latest["id"]),
-                )
-                return "stale"
+                return "stale"  # a repeat of the page's firing state, from a lagging replica
             if latest and latest["status"] == "firing":
                 if a.startsAt <= latest["starts_at"]:
                     return "repeat"  # a repeat, or news older than the open occurrence

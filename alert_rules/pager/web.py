@@ -147,8 +147,9 @@ def create_app(store: PageStore, token: str, read_token: str | None = None) -> F
             {
                 "stored": "notification stored",
                 # Another Alertmanager's firing just after this one's resolved (its flush
-                # missed the resolve): kept on the resolved page, not a new one.
-                "stale": "stale firing after resolved recorded on the resolved page",
+                # missed the resolve): a repeat, but a genuine re-fire inside the grace
+                # would look the same, so it is said apart.
+                "stale": "stale firing after resolved ignored",
                 "repeat": "repeated delivery ignored",
             }[outcome],
             extra={
@@ -158,12 +159,17 @@ def create_app(store: PageStore, token: str, read_token: str | None = None) -> F
                     "alerts": len(payload.alerts),
                     "alertnames": sorted({a.labels.get("alertname", "") for a in payload.alerts}),
                     "group_key": payload.groupKey,
+                    **(
+                        {"fingerprints": sorted({a.fingerprint for a in payload.alerts})}
+                        if outcome == "stale"
+                        else {}
+                    ),
                 }
             },
         )
         return {
-            "stored": outcome != "repeat",
-            "duplicate": outcome == "repeat",
+            "stored": outcome == "stored",
+            "duplicate": outcome != "stored",
             "stale_firing": outcome == "stale",
             "alerts": len(payload.alerts),
         }
