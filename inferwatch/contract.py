@@ -41,6 +41,7 @@ L_CODE = "code"  # HTTP status ("200") or gRPC code name ("UNAVAILABLE")
 L_OUTCOME = "outcome"
 L_UPSTREAM = "upstream"
 L_TOKEN_TYPE = "type"  # on TOKENS_TOTAL: TOKEN_PROMPT or TOKEN_GENERATION
+L_REASON = "reason"  # on REQUESTS_SHED: which limit shed it (sidecar.admission.SHED_REASONS)
 TOKEN_PROMPT = "prompt"
 TOKEN_GENERATION = "generation"
 
@@ -117,6 +118,12 @@ MODEL_LATENCY_SLA = Metric(
     (L_MODEL,),
     unit="seconds",
 )
+REQUESTS_SHED = Metric(
+    "inferwatch_requests_shed_total",
+    "counter",
+    "Requests shed by the sidecar's per-model limits before the server saw them (also in requests_total).",
+    (L_MODEL, L_REASON),
+)
 UPSTREAM_UP = Metric(
     "inferwatch_upstream_up",
     "gauge",
@@ -184,6 +191,7 @@ SIDECAR_METRICS = (
     RESPONSE_BYTES,
     MODEL_LATENCY_SLA,
     UPSTREAM_UP,
+    REQUESTS_SHED,
     *LLM_SIDECAR_METRICS,
 )
 

@@ -86,6 +86,35 @@ class Slo(_Strict):
 TokenSlaMs = Annotated[float, Field(gt=0, allow_inf_nan=False)]
 
 
+class Bucket(_Strict):
+    """A token bucket: holds at most ``capacity`` tokens (the burst), refilled at ``fill_rate``
+    tokens per second; a request takes its cost from it or is shed."""
+
+    capacity: int = Field(gt=0, le=1_000_000_000)
+    fill_rate: float = Field(gt=0, le=1_000_000_000, allow_inf_nan=False, description="tokens per second")
+
+
+class Limits(_Strict):
+    """Overload protection, enforced per model by the sidecar (sidecar.admission) before a
+    request reaches the server. Unset: no such limit. In a model, each key set overrides the
+    defaults' (``requests: null`` turns an inherited bucket off)."""
+
+    requests: Bucket | None = None  # one token per request
+    tokens: Bucket | None = None  # LLM requests: prompt estimate + max_tokens
+    concurrency: int | None = Field(None, ge=1, le=1_000_000, description="in flight to the server")
+    queue: int = Field(0, ge=0, le=1_000_000, description="waiting for a concurrency slot beyond that")
+    queue_timeout_ms: float = Field(500.0, gt=0, le=3_600_000, allow_inf_nan=False)
+
+
+def _merge(base: Limits | None, own: Limits | None) -> Limits | None:
+    """A model's limits on top of the defaults': the keys the model sets win."""
+    if own is None or base is None:
+        return own if base is None else base
+    merged = base.model_dump()
+    merged.update({k: v for k, v in own.model_dump().items() if k in own.model_fields_set})
+    return Limits.model_validate(merged)
+
+
 class Model(_Strict):
     name: Name
     latency_sla_ms: float = Field(gt=0)
@@ -101,12 +130,16 @@ class Model(_Strict):
     # version it stands for: {"tiny-llm": "1", "tiny-llm-canary": "2"}. The sidecar labels a
     # request for a served name with this model and that version.
     served_names: dict[Name, Annotated[str, Field(pattern=r"^[A-Za-z0-9_.-]+$", max_length=64)]] = {}
+    # Overload protection; keys unset here come from defaults.limits.
+    limits: Limits | None = None
 
 
 class Defaults(_Strict):
     latency_sla_ms: float = Field(500.0, gt=0)
     ttft_sla_ms: TokenSlaMs = 1000.0
     tpot_sla_ms: TokenSlaMs = 100.0
+    # Every model's limits (each model gets its own buckets and queue), unless it sets its own.
+    limits: Limits | None = None
 
 
 class Prometheus(_Strict):
@@ -235,6 +268,13 @@ class FleetSpec(_Strict):
                 if name in seen and name != model.name:
                     raise ValueError(f"models[{i}].served_names: {name!r} is the name of another model")
                 served[name] = model.name
+        # Checked on what each model ends up with: a model may take concurrency from the defaults.
+        checks = [("defaults.limits", self.defaults.limits)]
+        base = self.defaults.limits
+        checks += [(f"models[{i}].limits", _merge(base, m.limits)) for i, m in enumerate(self.models)]
+        for where, limits in checks:
+            if limits is not None and limits.queue and limits.concurrency is None:
+                raise ValueError(f"{where}.queue: a queue waits for a concurrency slot; set concurrency too")
         return self
 
     def served_names(self) -> dict[str, tuple[str, str]]:
@@ -248,6 +288,15 @@ class FleetSpec(_Strict):
         """The model's SLA, the spec's default where the model is not listed."""
         model = self.model(name)
         return (model.latency_sla_ms if model else self.defaults.latency_sla_ms) / 1000.0
+
+    def limits_for(self, name: str) -> Limits | None:
+        """The model's limits: the defaults', with the keys the model sets overriding them;
+        None when neither sets any."""
+        model = self.model(name)
+        return _merge(self.defaults.limits, model.limits if model else None)
+
+    def has_limits(self) -> bool:
+        return self.defaults.limits is not None or any(m.limits is not None for m in self.models)
 
     def ttft_sla_seconds(self, name: str) -> float:
         """The model's time-to-first-token SLA, the spec's default where unset."""
@@ -327,7 +376,11 @@ def parse_spec(data: object, source: str = "fleet.yaml") -> FleetSpec:
         where = _loc(err["loc"])
         reason = _reason(err)
         # Model-level validators report their own field path inside the message.
-        if not where and ": " in reason and reason.split(": ", 1)[0].startswith(("models[", "routing")):
+        if (
+            not where
+            and ": " in reason
+            and reason.split(": ", 1)[0].startswith(("models[", "routing", "defaults."))
+        ):
             where, reason = reason.split(": ", 1)
         more = f" (and {len(exc.errors()) - 1} more)" if len(exc.errors()) > 1 else ""
         return_line = f"{source}: {where}: {reason}{more}" if where else f"{source}: {reason}{more}"

@@ -1,0 +1,304 @@
+"""Per-model limits: the fleet spec's ``limits`` (strict, one-line errors, one test per bad value)
+and ``sidecar.admission.Admission`` enforcing them, on a fake clock."""
+
+from __future__ import annotations
+
+import asyncio
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+from prometheus_client import CollectorRegistry
+
+from inferwatch import contract
+from inferwatch.spec import Limits, SpecError, load_spec, parse_spec
+from sidecar.admission import (
+    IN_FLIGHT,
+    SHED_QUEUE_FULL,
+    SHED_QUEUE_TIMEOUT,
+    SHED_REQUESTS,
+    SHED_TOKENS,
+    Admission,
+    Waiting,
+)
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def spec_with(defaults: dict | None = None, model: dict | None = None):
+    data: dict = {"models": [{"name": "m", "latency_sla_ms": 100}]}
+    if defaults is not None:
+        data["defaults"] = {"limits": defaults}
+    if model is not None:
+        data["models"][0]["limits"] = model
+    return parse_spec(data)
+
+
+# --------------------------------------------------------------------------- the spec
+
+
+def test_limits_merge_model_keys_over_the_defaults() -> None:
+    spec = spec_with(
+        {"requests": {"capacity": 100, "fill_rate": 10}, "concurrency": 4, "queue": 8},
+        {"requests": None, "concurrency": 2, "queue_timeout_ms": 50},
+    )
+    own = spec.limits_for("m")
+    assert own is not None and own.requests is None and own.concurrency == 2 and own.queue == 8
+    assert own.queue_timeout_ms == 50
+    other = spec.limits_for("unlisted")  # the defaults apply to every model
+    assert other is not None and other.requests is not None and other.requests.capacity == 100
+    assert other.concurrency == 4
+    assert spec_with().limits_for("m") is None and not spec_with().has_limits()
+    assert spec_with(model={"concurrency": 1}).limits_for("other") is None
+
+
+def test_issue_example_parses() -> None:
+    limits = {
+        "requests": {"capacity": 10000, "fill_rate": 500},
+        "tokens": {"capacity": 200000, "fill_rate": 5000},
+        "concurrency": 64,
+        "queue": 256,
+        "queue_timeout_ms": 500,
+    }
+    got = spec_with(model=limits).limits_for("m")
+    assert got == Limits.model_validate(limits)
+
+
+BAD_LIMITS = {
+    "capacity 0": (
+        {"defaults": {"requests": {"capacity": 0, "fill_rate": 1}}},
+        "defaults.limits.requests.capacity: must be greater than 0",
+    ),
+    "capacity not an integer": (
+        {"model": {"requests": {"capacity": 1.5, "fill_rate": 1}}},
+        "models[0].limits.requests.capacity: must be a valid integer",
+    ),
+    "fill_rate negative": (
+        {"model": {"tokens": {"capacity": 10, "fill_rate": -1}}},
+        "models[0].limits.tokens.fill_rate: must be greater than 0",
+    ),
+    "fill_rate infinite": (
+        {"model": {"tokens": {"capacity": 10, "fill_rate": float("inf")}}},
+        "models[0].limits.tokens.fill_rate: must be a finite number",
+    ),
+    "bucket without fill_rate": (
+        {"model": {"requests": {"capacity": 10}}},
+        "models[0].limits.requests.fill_rate: required field is missing",
+    ),
+    "bucket key misspelt": (
+        {"model": {"requests": {"capacity": 10, "fill_rate": 1, "burst": 3}}},
+        "models[0].limits.requests.burst: unknown key",
+    ),
+    "limits key misspelt": ({"model": {"concurency": 3}}, "models[0].limits.concurency: unknown key"),
+    "concurrency 0": ({"model": {"concurrency": 0}}, "models[0].limits.concurrency: must be greater than"),
+    "concurrency a word": (
+        {"model": {"concurrency": "lots"}},
+        "models[0].limits.concurrency: must be a valid integer",
+    ),
+    "queue negative": (
+        {"model": {"concurrency": 1, "queue": -1}},
+        "models[0].limits.queue: must be greater than or equal to 0",
+    ),
+    "queue_timeout 0": (
+        {"model": {"concurrency": 1, "queue": 1, "queue_timeout_ms": 0}},
+        "models[0].limits.queue_timeout_ms: must be greater than 0",
+    ),
+    "queue without concurrency (defaults)": (
+        {"defaults": {"queue": 4}},
+        "defaults.limits.queue: a queue waits for a concurrency slot; set concurrency too",
+    ),
+    "queue without concurrency (model)": (
+        {"model": {"queue": 4}},
+        "models[0].limits.queue: a queue waits for a concurrency slot; set concurrency too",
+    ),
+    "limits not a mapping": ({"model": 64}, "models[0].limits: must be a valid dictionary"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(BAD_LIMITS))
+def test_bad_limits_give_one_line(case: str, tmp_path: Path) -> None:
+    where, expected = BAD_LIMITS[case]
+    data: dict = {"models": [{"name": "m", "latency_sla_ms": 100}]}
+    if "defaults" in where:
+        data["defaults"] = {"limits": where["defaults"]}
+    if "model" in where:
+        data["models"][0]["limits"] = where["model"]
+    path = tmp_path / "fleet.yaml"
+    path.write_text(yaml.safe_dump(data))
+    with pytest.raises(SpecError) as excinfo:
+        load_spec(path)
+    assert str(excinfo.value).startswith(f"{path}: {expected}"), str(excinfo.value)
+    assert "\n" not in str(excinfo.value)
+
+
+def test_spec_check_cli_refuses_bad_limits_in_one_line(tmp_path: Path) -> None:
+    path = tmp_path / "fleet.yaml"
+    path.write_text(yaml.safe_dump({"defaults": {"limits": {"queue": 4}}}))
+    proc = subprocess.run(
+        [sys.executable, "-m", "inferwatch.cli", "spec", "check", str(path)],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+    )
+    assert proc.returncode == 2 and proc.stdout == ""
+    assert (
+        proc.stderr.strip()
+        == f"{path}: defaults.limits.queue: a queue waits for a concurrency slot; set concurrency too"
+    )
+
+
+# --------------------------------------------------------------------------- Admission
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def admission(limits: dict | None, max_in_flight: int = 0, registry=None) -> tuple[Admission, Clock]:
+    spec = spec_with(defaults=limits)
+    clock = Clock()
+    return Admission(
+        max_in_flight, spec.limits_for if spec.has_limits() else None, None, registry, clock
+    ), clock
+
+
+def shed(registry: CollectorRegistry, model: str, reason: str) -> float:
+    value = registry.get_sample_value(contract.REQUESTS_SHED.name, {"model": model, "reason": reason})
+    return value or 0.0
+
+
+def test_request_bucket_admits_the_burst_then_the_fill_rate() -> None:
+    reg = CollectorRegistry()
+    a, clock = admission({"requests": {"capacity": 5, "fill_rate": 2}}, registry=reg)
+    got = [a.acquire("m") for _ in range(8)]
+    assert got[:5] == [None] * 5
+    assert all(r is not None and r.reason == SHED_REQUESTS and r.retry_after == 1 for r in got[5:])
+    assert shed(reg, "m", SHED_REQUESTS) == 3
+    clock.now += 1.0  # two tokens back
+    assert [a.acquire("m") is None for _ in range(3)] == [True, True, False]
+    assert a.acquire("other") is None  # each model has its own bucket
+    assert a.acquire("") is None  # no model: only the global limit applies
+    assert shed(reg, "m", SHED_REQUESTS) == 4 and shed(reg, "other", SHED_REQUESTS) == 0
+
+
+def test_retry_after_is_the_refill_time_of_one_request() -> None:
+    a, _ = admission({"requests": {"capacity": 1, "fill_rate": 0.2}})
+    assert a.acquire("m") is None
+    refusal = a.acquire("m")
+    assert refusal is not None and refusal.retry_after == 5 and "0.2 requests/s" in refusal.message
+
+
+def test_token_bucket_charges_the_request_cost() -> None:
+    reg = CollectorRegistry()
+    a, clock = admission({"tokens": {"capacity": 1000, "fill_rate": 100}}, registry=reg)
+    assert a.acquire("m", tokens=600) is None
+    refusal = a.acquire("m", tokens=600)
+    assert refusal is not None and refusal.reason == SHED_TOKENS
+    assert a.acquire("m", tokens=400) is None
+    clock.now += 3.0
+    assert a.acquire("m", tokens=300) is None and a.acquire("m", tokens=1) is not None
+    assert a.acquire("m") is None  # no cost given (not an LLM request): the bucket is not read
+    assert shed(reg, "m", SHED_TOKENS) == 2
+
+
+def test_concurrency_without_queue_sheds_queue_full() -> None:
+    reg = CollectorRegistry()
+    a, _ = admission({"concurrency": 2}, registry=reg)
+    assert a.acquire("m") is None and a.acquire("m") is None
+    refusal = a.acquire("m")
+    assert refusal is not None and refusal.reason == SHED_QUEUE_FULL and refusal.retry_after == 1
+    a.release("m")
+    assert a.acquire("m") is None and a.active == 2
+    assert shed(reg, "m", SHED_QUEUE_FULL) == 1
+
+
+def test_queue_admits_in_order_on_release_and_times_out() -> None:
+    async def main() -> None:
+        reg = CollectorRegistry()
+        a, _ = admission({"concurrency": 1, "queue": 2, "queue_timeout_ms": 100}, registry=reg)
+        woken: list[tuple[str, object]] = []
+        assert a.acquire("m") is None
+        w1 = a.acquire("m", wake=lambda r: woken.append(("w1", r)))
+        w2 = a.acquire("m", wake=lambda r: woken.append(("w2", r)))
+        assert isinstance(w1, Waiting) and isinstance(w2, Waiting)
+        full = a.acquire("m", wake=lambda r: woken.append(("w3", r)))
+        assert full is not None and full.reason == SHED_QUEUE_FULL
+        a.release("m")
+        assert woken == [("w1", None)] and a.active == 1
+        await asyncio.sleep(0.2)
+        assert len(woken) == 2 and woken[1][0] == "w2"
+        assert woken[1][1].reason == SHED_QUEUE_TIMEOUT  # type: ignore[union-attr]
+        assert shed(reg, "m", SHED_QUEUE_TIMEOUT) == 1 and shed(reg, "m", SHED_QUEUE_FULL) == 1
+        w4 = a.acquire("m", wake=lambda r: woken.append(("w4", r)))
+        assert isinstance(w4, Waiting)
+        w4.cancel()  # its client left
+        a.release("m")
+        await asyncio.sleep(0.15)
+        assert len(woken) == 2 and a.active == 0
+
+    asyncio.run(main())
+
+
+def test_admit_awaits_its_turn() -> None:
+    async def main() -> None:
+        a, _ = admission({"concurrency": 1, "queue": 1, "queue_timeout_ms": 1000})
+        assert await a.admit("m") is None
+        waiter = asyncio.ensure_future(a.admit("m"))
+        await asyncio.sleep(0.01)
+        assert not waiter.done()
+        a.release("m")
+        assert await waiter is None and a.active == 1
+        cancelled = asyncio.ensure_future(a.admit("m"))
+        await asyncio.sleep(0.01)
+        cancelled.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await cancelled
+        a.release("m")
+        assert a.active == 0
+
+    asyncio.run(main())
+
+
+def test_global_limit_comes_first() -> None:
+    a, _ = admission({"requests": {"capacity": 1, "fill_rate": 1}}, max_in_flight=1)
+    assert a.acquire("m") is None
+    refusal = a.acquire("m")
+    assert refusal is not None and refusal.reason == IN_FLIGHT  # no bucket token spent on it
+    a.release("m")
+    assert a.acquire("other") is None
+
+
+def test_reload_changes_limits_and_keeps_state() -> None:
+    async def main() -> None:
+        a, clock = admission({"requests": {"capacity": 2, "fill_rate": 1}, "concurrency": 1, "queue": 4})
+        assert a.acquire("m") is None
+        woken: list[object] = []
+        assert isinstance(a.acquire("m", wake=woken.append), Waiting)
+        assert a.acquire("m") is not None  # the bucket is empty
+        spec = spec_with(defaults={"requests": {"capacity": 10, "fill_rate": 100}, "concurrency": 2})
+        a.reload(spec.limits_for)
+        assert woken == [None] and a.active == 2  # the raised concurrency took the waiter
+        clock.now += 1.0
+        assert a.acquire("m") is not None and a.acquire("m").reason == SHED_QUEUE_FULL  # type: ignore[union-attr]
+        a.reload(None)  # limits removed: everything is admitted, the counts stay right
+        assert a.acquire("m") is None
+        for _ in range(3):
+            a.release("m")
+        assert a.active == 0
+
+    asyncio.run(main())
+
+
+def test_model_labels_bound_the_gates() -> None:
+    spec = spec_with(defaults={"requests": {"capacity": 1, "fill_rate": 1}})
+    a = Admission(0, spec.limits_for, lambda name: name if name == "m" else contract.MODEL_OVERFLOW)
+    assert a.acquire("invented-1") is None
+    refusal = a.acquire("invented-2")  # shares the overflow label's bucket
+    assert refusal is not None and refusal.reason == SHED_REQUESTS and "__other__" in refusal.message
+    assert a.acquire("m") is None
