@@ -1,7 +1,8 @@
 """The whole mission on one machine, as a user runs it: ``inferwatch up`` starts the real
 Triton, sidecar, GPU exporter, Prometheus, two Alertmanagers and pager; ``inferwatch demo``
 plays its incident on that stack. Each fault must produce exactly its page, nothing may
-page while traffic is healthy, recovery must send resolved notifications, and after
+page while traffic is healthy, recovery must send resolved notifications, the ranker
+canary's verdict must be fail during its latency fault and pass after recovery, and after
 SIGTERM to ``inferwatch up`` no process may be left. (What happens when a component dies:
 tests/test_stack_ha.py.)"""
 
@@ -17,7 +18,7 @@ import pytest
 from alert_rules.links import runbook_url
 from inferwatch import contract
 from inferwatch.spec import duration_seconds
-from inferwatch.stack.demo import TRAFFIC_MIX
+from inferwatch.stack.demo import CANARY_AFTER, CANARY_DURING, TRAFFIC_MIX
 from inferwatch.stack.supervisor import alive
 from tests.fixtures.net import ROOT, inferwatch_cmd
 from tests.fixtures.stack import UpStack
@@ -97,6 +98,23 @@ def test_each_fault_pages_once_and_resolves_and_the_stop_leaves_nothing(
         assert page["notifications"] == 2, page
 
     assert len(result["pages"]) == len(EXPECTED) + len(result["unexpected_pages"])
+
+    # The ranker canary judged as a deploy pipeline would (inferwatch canary, the spec's
+    # window): fail while its +300 ms holds (on latency), pass once a whole window has passed
+    # since recovery (v2's designed ~25 ms is inside fleet.demo.yaml's margin of two SLAs).
+    verdicts = {v["when"]: v for v in result["canary"]}
+    assert list(verdicts) == [CANARY_DURING, CANARY_AFTER]
+    during, after = verdicts[CANARY_DURING], verdicts[CANARY_AFTER]
+    assert (during["model"], during["baseline"], during["canary"]) == ("ranker", "1", "2")
+    assert during["window"] == spec.canary.window
+    assert during["verdict"] == "fail", during
+    assert {c["name"]: c["verdict"] for c in during["checks"]}["latency"] == "fail", during
+    assert during["why"].startswith("latency: ")
+    assert after["verdict"] == "pass", after
+    assert after["at"] >= faults[contract.ALERT_HIGH_P99_LATENCY]["cleared_at"] + duration_seconds(
+        spec.canary.window
+    )
+    assert "fail → pass" in demo.stdout
 
     # SIGTERM to inferwatch up: a clean exit, and every process it ever ran is gone.
     assert local_stack.stop() == 0, local_stack.output_text()[-3000:]

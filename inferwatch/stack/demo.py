@@ -4,7 +4,10 @@ The scenario: steady traffic through the sidecar (every model, the ranker's stab
 canary versions side by side); then three faults, one per alert tier (an error burst in
 one model, a latency regression in the ranker canary, GPU memory pressure on the
 simulated exporter); then recovery. Every page is read back from the pager receiver, so
-what the table reports is what an on-call engineer would have received.
+what the table reports is what an on-call engineer would have received. The ranker canary
+is also judged as a deploy pipeline would (``inferwatch.canary.judge``, the spec's canary
+window): once while its latency fault holds, once when a whole window has passed since
+recovery.
 
 Timing comes from the fleet spec alone (``timing.py``); what the stack shows comes from
 ``observe.py``; what a person sees is ``demo_view.py``. This module plays the scenario.
@@ -20,7 +23,8 @@ from dataclasses import asdict, dataclass, field
 import httpx
 
 from inferwatch import contract, logs
-from inferwatch.spec import FleetSpec
+from inferwatch.canary import CanaryError, judge
+from inferwatch.spec import FleetSpec, duration_seconds
 from inferwatch.stack.core import StackInfo
 from inferwatch.stack.observe import AlertState, Observer, Page
 from inferwatch.stack.timing import (
@@ -90,6 +94,25 @@ class Fault:
 
 
 @dataclass
+class CanaryVerdict:
+    """``inferwatch canary`` on the latency fault's model: its canary against the baseline."""
+
+    when: str  # CANARY_DURING or CANARY_AFTER
+    model: str
+    baseline: str
+    canary: str
+    window: str
+    at: float
+    verdict: str  # pass, fail, inconclusive, or "error" when Prometheus could not answer
+    why: str
+    checks: list[dict] = field(default_factory=list)
+
+
+CANARY_DURING = "during the latency fault"
+CANARY_AFTER = "after recovery"
+
+
+@dataclass
 class DemoResult:
     spec_path: str
     started_at: float
@@ -99,6 +122,7 @@ class DemoResult:
     unexpected_pages: list[Page] = field(default_factory=list)
     pages: list[Page] = field(default_factory=list)
     traffic: dict = field(default_factory=dict)
+    canary: list[CanaryVerdict] = field(default_factory=list)
     faults_started_at: float | None = None
     ended_at: float = 0.0
     aborted: str = ""
@@ -146,6 +170,7 @@ class DemoResult:
             "unexpected_pages": [page(p) for p in self.unexpected_pages],
             "pages": [page(p) for p in self.pages],
             "traffic": self.traffic,
+            "canary": [asdict(v) for v in self.canary],
         }
 
 
@@ -182,18 +207,11 @@ class Traffic:
         return self._gen.snapshot().to_dict()
 
 
-def set_fault(
-    info: StackInfo, model: str, version: str | None, error_rate: float = 0.0, extra_latency_ms: float = 0.0
-) -> None:
+def set_fault(info: StackInfo, model: str, version: str | None, **knobs: float | int) -> None:
+    """One of Triton's fault knobs (reference_server.faults.set_fault's keywords)."""
     from reference_server import faults
 
-    faults.set_fault(
-        model,
-        version=version,
-        error_rate=error_rate,
-        extra_latency_ms=extra_latency_ms,
-        state_dir=info.faults_state_dir,
-    )
+    faults.set_fault(model, version=version, state_dir=info.faults_state_dir, **knobs)
 
 
 def clear_faults(info: StackInfo) -> None:
@@ -224,6 +242,8 @@ class Scenario:
     error_rate: float = 0.5
     latency_model: str = "ranker"
     latency_version: str = "2"
+    baseline_version: str = "1"  # what the canary verdict compares latency_version with
+    canary: bool = True  # judge the latency fault's canary against its baseline
     extra_latency_ms: float = 300.0
     gpu: str = "0"
     gpu_fb_used_ratio: float = 0.97
@@ -288,7 +308,7 @@ class Demo:
         self.spec = spec
         self.sc = scenario
         self.stop_event = stop
-        self.faults = plan_faults(spec, scenario)
+        self.faults = self._plan()
         steady = scenario.steady_s if scenario.steady_s is not None else default_steady(spec)
         self.result = DemoResult(str(info.spec_path), time.time(), steady, self.faults)
         self.phase = PHASE_STEADY
@@ -297,6 +317,9 @@ class Demo:
         self.observer = Observer(info, spec, self._on_page, self._on_alert)
         self.traffic: Traffic | None = None
         self._lock = threading.Lock()
+
+    def _plan(self) -> list[Fault]:
+        return plan_faults(self.spec, self.sc)
 
     def expected_seconds(self) -> float:
         """Roughly how long the incident plays when every page comes at its minimum."""
@@ -388,18 +411,20 @@ class Demo:
             self.reporter = reporter
         r = self.result
         self.observer.start()
-        self.traffic = Traffic(self.info, self.sc.rate, self.sc.mix)
+        self.traffic = self._make_traffic()
         try:
-            clear_faults(self.info)
-            simulate_gpu(self.info, {"fb_used_ratio": None})
+            self._reset()
             self.traffic.start()
             self._set_phase(
-                PHASE_STEADY, f"{r.steady_s:g}s of steady traffic at {self.sc.rate:g} req/s: nothing may page"
+                PHASE_STEADY, f"{r.steady_s:g}s of steady traffic ({self._traffic_text()}): nothing may page"
             )
             if not self._sleep(r.steady_s):
                 return self._finish()
             # The error burst starts at a fixed place in its rule's window (error_burst_lead).
-            if not self._sleep(next_error_window_start(self.spec, time.time()) - time.time()):
+            first = self.faults[0].alertname if self.faults else ""
+            if first == contract.ALERT_HIGH_ERROR_RATE and not self._sleep(
+                next_error_window_start(self.spec, time.time()) - time.time()
+            ):
                 return self._finish()
             r.faults_started_at = time.time()
             self._set_phase(PHASE_FAULTS, "injecting one fault per alert tier")
@@ -412,17 +437,23 @@ class Demo:
             self._wait_for(lambda: all(f.page_at is not None for f in active), last)
             if r.aborted:
                 return self._finish()
+            if self.sc.canary:
+                self._judge_canary(CANARY_DURING)
             self._set_phase(PHASE_RECOVERY, "clearing every fault: each alert must resolve")
-            clear_faults(self.info)
+            self._recover()
             cleared = time.time()
-            if not any(f.key == "gpu-memory" and f.skipped for f in self.faults):
-                simulate_gpu(self.info, {"fb_used_ratio": None})
             for f in active:
                 f.cleared_at = cleared
                 self.reporter.event(f"cleared: {f.title}")
             last = cleared + max((deadline_after(f.resolve_bound_s) for f in active), default=0)
             fired = [f for f in active if f.page_at is not None]
             self._wait_for(lambda: all(f.resolved_at is not None for f in fired), last)
+            # The verdict after recovery judges a window that holds no faulty request: it
+            # ends a whole window and two scrapes (the last slow requests scraped) after the clear.
+            scrape = duration_seconds(self.spec.prometheus.scrape_interval)
+            window = duration_seconds(self.spec.canary.window)
+            if self.sc.canary and not r.aborted and self._sleep(cleared + window + 2 * scrape - time.time()):
+                self._judge_canary(CANARY_AFTER)
             return self._finish()
         finally:
             self.traffic.stop()
@@ -430,10 +461,25 @@ class Demo:
             self.observer.stop()
             # A demo stopped half-way must not leave the stack faulty.
             try:
-                clear_faults(self.info)
-                simulate_gpu(self.info, {"fb_used_ratio": None})
+                self._reset()
             except (httpx.HTTPError, OSError):
                 pass
+
+    # -- what this scenario does to the stack (the LLM scenario overrides these) -----------
+    def _make_traffic(self) -> Traffic:
+        return Traffic(self.info, self.sc.rate, self.sc.mix)
+
+    def _traffic_text(self) -> str:
+        return f"{self.sc.rate:g} req/s"
+
+    def _reset(self) -> None:
+        clear_faults(self.info)
+        simulate_gpu(self.info, {"fb_used_ratio": None})
+
+    def _recover(self) -> None:
+        clear_faults(self.info)
+        if not any(f.key == "gpu-memory" and f.skipped for f in self.faults):
+            simulate_gpu(self.info, {"fb_used_ratio": None})
 
     def _inject(self, f: Fault) -> None:
         sc = self.sc
@@ -447,11 +493,32 @@ class Demo:
             f.skipped = "the GPU exporter reads a real GPU (NVML): memory pressure cannot be simulated"
             self.reporter.event(f"skipped: {f.title}: {f.skipped}")
             return
+        self._injected(f)
+
+    def _injected(self, f: Fault) -> None:
         f.injected_at = time.time()
         self.reporter.event(
             f"injected: {f.title} (expect {f.alertname} [{f.severity}] in >= {f.minimum_s:g}s)"
         )
         log.info("fault injected", fault=f.key, alert=f.alertname, minimum_s=f"{f.minimum_s:g}")
+
+    def _judge_canary(self, when: str) -> None:
+        sc = self.sc
+        at = time.time()
+        args = (sc.latency_model, sc.baseline_version, sc.latency_version)
+        try:
+            report = judge(self.info.prometheus_url, *args, self.spec, at=at)
+        except CanaryError as exc:
+            v = CanaryVerdict(when, *args, self.spec.canary.window, at, "error", str(exc))
+        else:
+            checks = [{"name": ch.name, "verdict": ch.verdict, "reason": ch.reason} for ch in report.checks]
+            v = CanaryVerdict(when, *args, report.window, at, report.verdict, report.why, checks)
+        self.result.canary.append(v)
+        self.reporter.event(
+            f"canary {v.model} v{v.canary} against v{v.baseline} ({when}, last {v.window}): "
+            f"{v.verdict}: {v.why}"
+        )
+        log.info("canary verdict", when=when, verdict=v.verdict, why=v.why)
 
     def _finish(self) -> DemoResult:
         self.result.ended_at = time.time()
@@ -460,7 +527,8 @@ class Demo:
 
 
 def results_table_rows(result: DemoResult) -> list[list[str]]:
-    """Rows of the final table: fault, injected, page, delay, minimum, ratio, resolved."""
+    """Rows of the final table: fault, injected, page, delay, minimum, ratio, resolved, and
+    on the latency fault's row the canary verdicts (during the fault, then after recovery)."""
 
     def rel(t: float | None) -> str:
         return f"t+{t - result.started_at:.1f}s" if t is not None else "-"
@@ -478,9 +546,16 @@ def results_table_rows(result: DemoResult) -> list[list[str]]:
                 f"{f.minimum_s:g}s",
                 f"{delay / f.minimum_s:.2f}x" if delay is not None else "-",
                 f"{f.resolve_delay_s:.1f}s" if f.resolve_delay_s is not None else "-",
+                canary_cell(result) if f.key == "latency-regression" else "",
             ]
         )
     return rows
+
+
+def canary_cell(result: DemoResult) -> str:
+    """``fail → pass``: the canary's verdict during its fault, then after recovery."""
+    by_when = {v.when: v.verdict for v in result.canary}
+    return " → ".join(by_when.get(w, "-") for w in (CANARY_DURING, CANARY_AFTER))
 
 
 RESULT_COLUMNS = [
@@ -492,4 +567,5 @@ RESULT_COLUMNS = [
     "theoretical min",
     "delay/min",
     "resolved after",
+    "canary verdict",
 ]

@@ -194,6 +194,13 @@ def print_results(result) -> None:  # result: inferwatch.stack.demo.DemoResult
         "can undercut the minimum by up to one evaluation interval when an evaluation follows at once",
         highlight=False,
     )
+    for v in result.canary:
+        style = {"pass": "green", "fail": "red"}.get(v.verdict, "yellow")
+        console.print(
+            f"canary {escape(v.model)} v{escape(v.canary)} against v{escape(v.baseline)}, {v.when} "
+            f"(inferwatch canary, last {v.window}): [{style}]{v.verdict}[/] — {escape(v.why)}",
+            highlight=False,
+        )
     if result.steady_pages:
         console.print(f"[red]pages during the steady phase: {len(result.steady_pages)}[/]")
         for p in result.steady_pages:
