@@ -148,9 +148,11 @@ def test_a_stale_firing_from_the_second_alertmanager_is_not_a_new_page(
     """The race of prometheus/alertmanager#4008 through a real clustered pair: the resolve
     reaches the first instance only (as when the second one's flush snapshot predates it),
     the first sends resolved, the second sends the old firing one peer timeout later (its
-    view against the gossiped log), then resolved when the resolve reaches it. One page."""
+    view against the gossiped log), then resolved when the resolve reaches it. One page.
+    Past the grace, Prometheus re-sending the same startsAt (an outage) reopens it."""
+    grace = 10.0
     pager = make_pager(tmp_path, processes)
-    pager.args = ("--resolve-grace", "20")
+    pager.args = ("--resolve-grace", str(grace))
     pager.start()
     am1, am2 = start_clustered_alertmanagers(processes, tmp_path, alertmanager_config(tmp_path, pager))
     starts = datetime.now(UTC).replace(microsecond=0) - timedelta(minutes=1)
@@ -165,6 +167,7 @@ def test_a_stale_firing_from_the_second_alertmanager_is_not_a_new_page(
     ends = datetime.now(UTC)
     post_alert(am1, starts, ends)  # Prometheus' resolved alert reaches the first instance
     wait_for("the resolved page", lambda: pager.pages(model="flappy", status="resolved"), timeout=60)
+    grace_ends = time.monotonic() + grace + 0.5
     wait_for(
         "the second instance's stale firing",
         lambda: stored("stale firing") or len(pager.pages(model="flappy")) > 1,
@@ -182,3 +185,9 @@ def test_a_stale_firing_from_the_second_alertmanager_is_not_a_new_page(
     [page] = pager.pages(model="flappy")
     assert page["status"] == "resolved" and page["notifications"] == 2
     assert len(stored("notification stored")) == 2  # the firing and the first resolved
+
+    time.sleep(max(0.0, grace_ends - time.monotonic()))
+    for am in (am1, am2):
+        post_alert(am, starts, datetime.now(UTC) + timedelta(hours=1))
+    wait_for("the page reopened", lambda: pager.pages(model="flappy", status="firing"), timeout=60)
+    assert [p["status"] for p in pager.pages(model="flappy")] == ["firing", "resolved"]
