@@ -417,9 +417,14 @@ class Exchange:
             up.ex = None
             up.transport.abort()
         self.done = True
-        if self.llm is not None:  # the tokens the client received are counted
-            self.llm.close(False, client_left=True)
-        self.client.proxy.end(self, "499", contract.OUTCOME_CLIENT_ERROR)
+        code, outcome = "499", contract.OUTCOME_CLIENT_ERROR
+        if self.llm is not None:
+            if self.llm.answered():  # left after `data: [DONE]`, before the body's last chunk
+                code = STATUS_STR[self.status]
+                outcome = self.llm.close(True) or self.client.proxy.telemetry.outcome_for_http(self.status)
+            else:  # the tokens the client received are counted
+                self.llm.close(False, client_left=True)
+        self.client.proxy.end(self, code, outcome)
 
     def _close(self, code: str, outcome: str | None) -> None:
         self.done = True

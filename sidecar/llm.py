@@ -193,6 +193,10 @@ class StreamExchange:
         if answer is not None:
             answer.feed(chunk, time.perf_counter())
 
+    def answered(self) -> bool:
+        """The answer's own end marker passed (a client leaving now had the whole answer)."""
+        return self.answer is not None and self.answer.ended
+
     def close(self, complete: bool, client_left: bool = False) -> str | None:
         """The exchange ended: settle the answer (calls ``on_end``). ``server_error`` when a
         2xx answer carried an error or the upstream cut it; else None (the status decides)."""

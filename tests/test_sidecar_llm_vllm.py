@@ -289,7 +289,12 @@ def test_a_client_that_leaves_mid_stream_is_499_with_the_tokens_it_got(sidecar: 
         if left or time.monotonic() > deadline:
             break
         time.sleep(0.2)
-    assert left == 1
+    codes = {
+        (labels["code"], labels["outcome"]): v - _total(before, "inferwatch_requests_total", **labels)
+        for labels, v in after["inferwatch_requests_total"]
+        if labels["model"] == "tiny-llm"
+    }
+    assert left == 1, {k: v for k, v in codes.items() if v}
     assert _total(after, "inferwatch_requests_total", code="499", outcome=c.OUTCOME_CLIENT_ERROR) > _total(
         before, "inferwatch_requests_total", code="499", outcome=c.OUTCOME_CLIENT_ERROR
     )

@@ -92,6 +92,12 @@ class OpenAIAnswer:
         """The figures so far (final after ``finish``)."""
         return self._stream.end
 
+    @property
+    def ended(self) -> bool:
+        """The stream's own end (``data: [DONE]``) has passed: a client that leaves now had it
+        all (the official client closes at ``[DONE]``, often before the HTTP body's end)."""
+        return self._done
+
     def feed(self, chunk: bytes, t: float) -> None:
         """The next bytes of the answer body, passed at ``t`` (seconds, the caller's clock)."""
         if not self.streamed:

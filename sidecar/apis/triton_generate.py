@@ -52,6 +52,11 @@ class TritonGenerateAnswer:
     def end(self) -> StreamEnd:
         return self._stream.end
 
+    @property
+    def ended(self) -> bool:
+        """Never before the body's end: Triton's stream has no end marker of its own."""
+        return False
+
     def feed(self, chunk: bytes, t: float) -> None:
         """The next bytes of the answer body, passed at ``t`` (seconds, the caller's clock)."""
         if not self.streamed:
