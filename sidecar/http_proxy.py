@@ -50,8 +50,9 @@ from urllib.parse import unquote
 import httptools
 
 from inferwatch import contract
-from sidecar.admission import Admission
+from sidecar.admission import Admission, Refusal, Waiting
 from sidecar.health import UpstreamHealth
+from sidecar.overload import http_answer
 
 if TYPE_CHECKING:
     from sidecar.apis.routes import Api
@@ -179,6 +180,7 @@ class Exchange:
     """One request and its answer: the only per-request state."""
 
     __slots__ = (
+        "admitted",
         "chunked_req",
         "client",
         "close_after",
@@ -203,6 +205,7 @@ class Exchange:
         "tel",
         "upstream",
         "version10",
+        "waiting",
     )
 
     def __init__(self, client: ClientConn, tel: Request, head: bytes, chunked: bool, method: bytes) -> None:
@@ -231,6 +234,31 @@ class Exchange:
         self.close_after = False
         self.done = False
         self.deadline = 0.0
+        self.admitted: str | None = None  # the model it holds an admission slot for
+        self.waiting: Waiting | None = None  # queued by a per-model limit (sidecar.admission)
+
+    def woken(self, refusal: Refusal | None) -> None:
+        """The admission queue's answer: a slot (start, if first in line) or shed."""
+        self.waiting = None
+        if refusal is None:
+            if self.done:
+                self.client.proxy.admission.release(self.admitted or "")
+            elif self.client.exchanges and self.client.exchanges[0] is self:
+                self.start()
+                self.flush()
+                self.client.update_reading()
+            return
+        self.admitted = None
+        if self.done:
+            return
+        client = self.client
+        self.close_after = True
+        self.status = 429
+        if client.exchanges and client.exchanges[0] is self:
+            client.transport.write(http_answer(refusal))
+        else:  # behind a pipelined answer: it cannot be answered before that one, so close
+            client.transport.abort()
+        self._close(STATUS_STR[429], None)
 
     # -- towards the upstream
     def start(self) -> None:
@@ -758,7 +786,22 @@ class ClientConn(asyncio.Protocol):
         self.exchanges.append(ex)
         proxy.requests += 1
 
-        if proxy.admission.acquire(model) is not None:  # sidecar.admission: one limit for all protocols
+        admission = proxy.admission  # sidecar.admission: the limits, one for all protocols
+        got = admission.acquire(model, 0, ex.woken if admission.per_model else None)
+        if type(got) is Refusal and got.retry_after:  # a per-model limit shed it: 429, nothing upstream
+            self.exchanges.pop()
+            self.parsing = None
+            ex.done = True
+            proxy.telemetry.end(ex.tel, "429", proxy.telemetry.outcome_for_http(429), 0, 0)
+            self.keep_alive = False
+            self.transport.write(http_answer(got))
+            self.shutdown(linger=True)
+            return
+        ex.admitted = model
+        if type(got) is Waiting:
+            ex.waiting = got
+        elif got is not None:
+            ex.admitted = None
             self.exchanges.pop()
             self.parsing = None
             ex.done = True
@@ -777,7 +820,7 @@ class ClientConn(asyncio.Protocol):
             self.dl_kind = _WAIT
         if expect:
             self.transport.write(CONTINUE)
-        if len(self.exchanges) == 1:
+        if len(self.exchanges) == 1 and ex.waiting is None:
             ex.start()
 
     def on_body(self, body: bytes) -> None:
@@ -832,8 +875,9 @@ class ClientConn(asyncio.Protocol):
             return
         if self.exchanges:
             nxt = self.exchanges[0]
-            nxt.start()
-            nxt.flush()
+            if nxt.waiting is None:  # a queued one starts when admission wakes it
+                nxt.start()
+                nxt.flush()
         elif self.dl_kind == _WAIT:
             self.dl_kind = _IDLE
             wait = DRAIN_IDLE_GRACE if unannounced else self.proxy.config.keepalive_timeout
@@ -956,7 +1000,12 @@ class HttpProxy:
         return hit
 
     def end(self, ex: Exchange, code: str, outcome: str) -> None:
-        self.admission.release()
+        if ex.waiting is not None:  # left while queued: it held no slot
+            ex.waiting.cancel()
+            ex.waiting = None
+        elif ex.admitted is not None:
+            self.admission.release(ex.admitted)
+            ex.admitted = None
         self.telemetry.end(ex.tel, code, outcome, ex.req_bytes, ex.resp_bytes)
 
     # -- upstream pool

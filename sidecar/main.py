@@ -390,7 +390,7 @@ async def refresh_models(
 async def run(config: cfg.SidecarConfig) -> int:
     from prometheus_client import CollectorRegistry, disable_created_metrics
 
-    from sidecar import http_proxy
+    from sidecar import http_proxy, overload
     from sidecar.admission import Admission
     from sidecar.apis.routes import classify
     from sidecar.health import UpstreamHealth
@@ -421,7 +421,10 @@ async def run(config: cfg.SidecarConfig) -> int:
     health = UpstreamHealth(telemetry, {UPSTREAM_HTTP: config.upstream_http}, config.connect_timeout)
     refresher = asyncio.create_task(refresh_models(config, telemetry, wake, readiness, streams, health))
     try:
-        admission = Admission(config.max_in_flight)  # one limit for every protocol
+        # One limit for every protocol, and the spec's per-model limits (sidecar.overload).
+        admission = Admission(
+            config.max_in_flight, overload.limits_of(config.spec), telemetry.model_label, registry
+        )
         servers.append(("http", await http_proxy.serve(config, telemetry, admission, streams, health)))
         if config.grpc_proxy_enabled and importlib.util.find_spec("sidecar.grpc_proxy") is not None:
             grpc_proxy = importlib.import_module("sidecar.grpc_proxy")
@@ -438,6 +441,7 @@ async def run(config: cfg.SidecarConfig) -> int:
     stop = asyncio.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
+    loop.add_signal_handler(signal.SIGHUP, overload.reload_limits, admission, config.spec_path)
     readiness.proxies = [name for name, _ in servers]
     # Everything built so far lives as long as the process: keep the collector from walking it
     # (a full collection of these ~40k objects costs ~12 ms, a tail-latency spike mid-request).

@@ -1,0 +1,174 @@
+"""Per-model limits in the ``inferwatch sidecar`` process, in front of the real Triton.
+
+A burst over a request bucket gets exactly the bucket's capacity admitted and the rest 429 with
+``Retry-After`` (HTTP) or RESOURCE_EXHAUSTED (gRPC, both engines), the shed counter and the
+requests counter match what the client saw, and Triton's own count shows the shed requests never
+reached it. The concurrency cap's queue: a request waits for a slot and gets it when one frees,
+waits too long (``queue_timeout``), or finds the queue full (``queue_full``). Requests are held
+in flight with the token-streaming model (tiny_stream), as in test_sidecar_admission.py.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+import yaml
+
+from inferwatch import contract
+from reference_server.catalog import example_input
+from tests.fixtures.sidecar import launch_sidecar
+
+REQUESTS = contract.REQUESTS_TOTAL.name
+SHED = contract.REQUESTS_SHED.name
+STREAM_MODEL = "tiny_stream"
+BURST = 12
+CAPACITY = 5
+
+pytestmark = pytest.mark.integration
+
+
+def write_spec(tmp_path: Path, limits: dict[str, dict], name: str = "fleet.yaml") -> Path:
+    models = [{"name": m, "latency_sla_ms": 500, "limits": lim} for m, lim in limits.items()]
+    path = tmp_path / name
+    path.write_text(yaml.safe_dump({"models": models}))
+    return path
+
+
+def ranker_body() -> dict:
+    x = example_input("ranker", batch=1)["FEATURES"]
+    return {
+        "inputs": [
+            {"name": "FEATURES", "shape": list(x.shape), "datatype": "FP32", "data": x.ravel().tolist()}
+        ]
+    }
+
+
+def triton_success_count(triton, model: str) -> float:
+    """Triton's own count of the model's successful inferences (nv_inference_request_success)."""
+    text = httpx.get(triton.metrics_url, timeout=10).text
+    total = 0.0
+    for line in text.splitlines():
+        if line.startswith("nv_inference_request_success{") and f'model="{model}"' in line:
+            total += float(line.rsplit(" ", 1)[1])
+    return total
+
+
+def shed_counts(sc) -> dict[tuple[str, ...], float]:
+    return sc.counts(SHED, "model", "reason")
+
+
+def delta(after: dict, before: dict, key: tuple[str, ...]) -> float:
+    return after.get(key, 0.0) - before.get(key, 0.0)
+
+
+# --------------------------------------------------------------------------- request bucket
+
+
+def test_http_burst_over_the_bucket_gets_exactly_capacity_admitted(triton, tmp_path) -> None:
+    # fill_rate 0.01/s: not one token comes back during the burst, so the split is exact.
+    spec = write_spec(tmp_path, {"ranker": {"requests": {"capacity": CAPACITY, "fill_rate": 0.01}}})
+    with launch_sidecar(triton.http_url, triton.grpc_url, tmp_path, "--spec", str(spec)) as sc:
+        before_req = sc.counts(REQUESTS, "model", "protocol", "code")
+        before_triton = triton_success_count(triton, "ranker")
+        body = ranker_body()
+        answers = []
+        with httpx.Client(base_url=sc.base_url, timeout=30) as client:
+            for _ in range(BURST):
+                answers.append(client.post("/v2/models/ranker/versions/1/infer", json=body))
+            other = client.post("/v2/models/dense_batched/infer", json=other_body())
+        codes = [r.status_code for r in answers]
+        assert codes == [200] * CAPACITY + [429] * (BURST - CAPACITY)
+        for r in answers[CAPACITY:]:
+            assert r.headers["retry-after"] == "100"  # 1 / fill_rate, whole seconds
+            assert r.json()["reason"] == "requests"
+        assert other.status_code == 200  # another model has no limits
+        after_req = sc.counts(REQUESTS, "model", "protocol", "code")
+        shed = shed_counts(sc)
+        after_triton = triton_success_count(triton, "ranker")
+
+    assert shed.get(("ranker", "requests")) == BURST - CAPACITY
+    assert delta(after_req, before_req, ("ranker", "http", "429")) == BURST - CAPACITY
+    assert delta(after_req, before_req, ("ranker", "http", "200")) == CAPACITY
+    assert after_triton - before_triton == CAPACITY  # the shed requests cost the server nothing
+
+
+def other_body() -> dict:
+    x = example_input("dense_batched", batch=1)
+    name, arr = next(iter(x.items()))
+    return {
+        "inputs": [{"name": name, "shape": list(arr.shape), "datatype": "FP32", "data": arr.ravel().tolist()}]
+    }
+
+
+# --------------------------------------------------------------------------- concurrency and queue
+
+
+@contextlib.contextmanager
+def held_stream(client: httpx.Client) -> Iterator[None]:
+    """One generate_stream request whose first token arrived and whose end is far away."""
+    with client.stream(
+        "POST",
+        f"/v2/models/{STREAM_MODEL}/versions/1/generate_stream",
+        json={"text_input": "a b", "max_tokens": 4096},
+    ) as resp:
+        assert resp.status_code == 200
+        lines = resp.iter_lines()
+        next(lines)
+        yield
+
+
+def short_generate(base_url: str, out: list) -> None:
+    t0 = time.monotonic()
+    r = httpx.post(
+        f"{base_url}/v2/models/{STREAM_MODEL}/versions/1/generate",
+        json={"text_input": "a", "max_tokens": 1},
+        timeout=30,
+    )
+    out.append((r.status_code, r.headers.get("retry-after"), r.text, time.monotonic() - t0))
+
+
+def test_http_queue_waits_for_a_slot_times_out_and_fills(triton, tmp_path) -> None:
+    limits = {"concurrency": 1, "queue": 1, "queue_timeout_ms": 1500}
+    spec = write_spec(tmp_path, {STREAM_MODEL: limits})
+    with launch_sidecar(triton.http_url, triton.grpc_url, tmp_path, "--spec", str(spec)) as sc:
+        before = sc.counts(REQUESTS, "model", "code")
+        with httpx.Client(base_url=sc.base_url, timeout=30) as client:
+            # 1. The slot frees while a request waits: it is served.
+            waited: list = []
+            with held_stream(client):
+                t = threading.Thread(target=short_generate, args=(sc.base_url, waited))
+                t.start()
+                time.sleep(0.5)
+                assert not waited  # queued, not answered
+            t.join(30)
+            assert waited and waited[0][0] == 200, waited
+
+            # 2. The slot stays taken: the waiter is shed after queue_timeout_ms, and a third
+            # request meanwhile finds the queue full.
+            timed_out: list = []
+            full: list = []
+            with held_stream(client):
+                t = threading.Thread(target=short_generate, args=(sc.base_url, timed_out))
+                t.start()
+                time.sleep(0.5)
+                short_generate(sc.base_url, full)
+                t.join(30)
+        after = sc.counts(REQUESTS, "model", "code")
+        shed = shed_counts(sc)
+
+    status, retry, text, _ = full[0]
+    assert status == 429 and retry == "1" and "queue_full" in text
+    status, retry, text, elapsed = timed_out[0]
+    assert status == 429 and retry == "1" and "queue_timeout" in text
+    assert elapsed >= 1.4
+    assert shed.get((STREAM_MODEL, "queue_full")) == 1
+    assert shed.get((STREAM_MODEL, "queue_timeout")) == 1
+    assert delta(after, before, (STREAM_MODEL, "429")) == 2
+    assert delta(after, before, (STREAM_MODEL, "200")) == 1  # the waiter that got its slot
+    assert delta(after, before, (STREAM_MODEL, "499")) == 2  # the held streams, left by the client
