@@ -28,6 +28,8 @@ class Call:
     """One HTTP/2 stream (one gRPC call) between ``begin`` and its trailers."""
 
     __slots__ = (
+        "admit_later",
+        "admitted",
         "answer",
         "block",
         "counted",
@@ -70,6 +72,10 @@ class Call:
         self.headers_out = False  # response headers went to the client
         self.dropped = False  # the relay answered this call itself; later frames are dropped
         self.counted = False  # holds a place in the in-flight limit
+        # Per-model limits (sidecar.admission): the model it was admitted under, and whether its
+        # admission waits for its message (the header block is held meanwhile, as with tracing).
+        self.admitted = ""
+        self.admit_later = False
         self.answer: tuple[str, str] | None = None  # the relay's own answer, sent once the model is known
         self.deadline: float | None = None
         # With tracing, a unary call's header block waits for its message: its place in the

@@ -224,16 +224,23 @@ class GrpcProxy:
     def _limited(self, handler: Callable, path: str, name_field: int = 0, version_field: int = 0) -> Callable:
         """``handler`` behind admission: a refused call gets the fixed overload answer, counted."""
         admission, tel = self.admission, self._tel
-        if not admission.limit:
+        # A unary call names its model in its one message: per-model limits (sidecar.admission)
+        # apply to it, and may be turned on by a SIGHUP, so such calls always pass here.
+        if not admission.limit and not name_field:
             return handler
         name, outcome = self._codes[_EXHAUSTED]
         span_name, attributes = span_attributes(path)
 
         async def limited(request: Any, context: grpc.aio.ServicerContext) -> Any:
-            refusal = admission.acquire(MODEL_NONE)  # a stream's messages are not read yet
+            model = version = MODEL_NONE  # a stream's messages are not read yet
+            if name_field and admission.per_model and isinstance(request, bytes):
+                try:
+                    model, version, _ = read_strings(request, name_field, version_field)
+                except WireError:
+                    pass
+            refusal = await admission.admit(model) if model else admission.acquire(MODEL_NONE)
             if refusal is not None:
-                model = version = MODEL_NONE
-                if name_field and isinstance(request, bytes):
+                if not model and name_field and isinstance(request, bytes):
                     try:
                         model, version, _ = read_strings(request, name_field, version_field)
                     except WireError:
@@ -244,7 +251,7 @@ class GrpcProxy:
             try:
                 return await handler(request, context)
             finally:
-                admission.release(MODEL_NONE)
+                admission.release(model)
 
         return limited
 

@@ -402,7 +402,7 @@ class _Conn:
     def _release(self, st: Call) -> None:
         if st.counted:
             st.counted = False
-            self.relay.admission.release(MODEL_NONE)
+            self.relay.admission.release(st.admitted)
 
     def _begin(self, st: Call, model: str, version: str) -> Any:
         if self.relay.retries:
@@ -594,19 +594,24 @@ class _Conn:
         if self.local or self.upstream_last is not None:
             self._withhold(sid, st, UNAVAILABLE, self._unavailable_message(), first_flags)
             return b""
-        # Admitted on the header block, before the message names the model (per-model limits
-        # would hold the block for it, as tracing does).
-        refusal = relay.admission.acquire(MODEL_NONE)
-        if refusal is not None:
-            # The fixed overload answer; the upstream never sees the call.
-            self._withhold(sid, st, RESOURCE_EXHAUSTED, refusal.message, first_flags)
-            return b""
-        st.counted = True
+        # Admitted on the header block, before the message names the model; with per-model
+        # limits a unary call's block waits for its message (as with tracing), admitted then.
+        later = st.kind == UNARY and not end_stream and relay.admission.per_model
+        if later:
+            st.admit_later = True
+        else:
+            refusal = relay.admission.acquire(MODEL_NONE)
+            if refusal is not None:
+                # The fixed overload answer; the upstream never sees the call.
+                self._withhold(sid, st, RESOURCE_EXHAUSTED, refusal.message, first_flags)
+                return b""
+            st.counted = True
         self.streams[sid] = st
         effective = timeout if timeout is not None and timeout <= relay.timeout else relay.timeout
         st.deadline = time.monotonic() + effective
         trace = self.tracing and st.kind != STREAM  # a stream's header goes before any message
-        if effective == timeout and not trace:
+        hold = trace or later
+        if effective == timeout and not hold:
             # The client's own deadline and no span context to pass: the block goes as it came.
             if st.kind == OTHER:
                 st.obs = self._begin(st, MODEL_NONE, "")
@@ -621,7 +626,7 @@ class _Conn:
             block += literal(_TIMEOUT, grpc_timeout_value(effective))
         if st.kind == OTHER:
             st.obs = self._begin(st, MODEL_NONE, "")
-        if not trace:
+        if not hold:
             return header_frames(sid, end_stream, block)
         if st.kind == OTHER or end_stream:
             # No message to wait for: the span starts now.
@@ -638,6 +643,8 @@ class _Conn:
 
     def _traced(self, st: Call, block: bytes) -> bytes:
         """``block`` (without the client's traceparent) with the sidecar span's context."""
+        if not self.tracing:  # held for admission only: the block goes as it came
+            return block
         tp = st.obs.traceparent if st.obs is not None else None
         tp = tp or st.traceparent
         return block + literal(_TRACEPARENT, tp.encode("latin-1")) if tp else block
@@ -656,6 +663,8 @@ class _Conn:
         starts when the message comes, as without tracing)."""
         for sid, st in self.streams.items():
             if st.hole >= 0:
+                if st.admit_later and not self._admit_held(st, MODEL_NONE, out):
+                    continue  # shed: answered by the relay when its message head comes
                 out[st.hole] = header_frames(sid, 0, self._traced(st, st.block))
                 st.hole = -1
                 st.block = b""
@@ -690,6 +699,13 @@ class _Conn:
                     head, *st.fields, STREAM_FIELDS[2] if st.kind == STREAM else 0, partial=True
                 )
             if st.hole >= 0:
+                if st.admit_later and not self._admit_held(st, model, out):
+                    # Shed by a per-model limit: its block never went up, nor will its message.
+                    if stop > start:
+                        self._write_client(frame(WINDOW_UPDATE, 0, 0, (stop - start).to_bytes(4, "big")))
+                    st.req_bytes = length + 5
+                    self._answer(sid, st, model, version, bool(flags & END_STREAM))
+                    return b""
                 self._fill_hole(sid, st, out, model, version)
             if length > relay.max_message:
                 # Over the limit: stop the call upstream and answer the client ourselves.
@@ -703,8 +719,28 @@ class _Conn:
             assert st.pending is not None
             st.pending.add(rid, self._begin(st, model, version), length + 5)
         if st.hole >= 0 and flags & END_STREAM:  # the call ended without a whole message head
+            if st.admit_later and not self._admit_held(st, MODEL_NONE, out):
+                self._answer(sid, st, MODEL_NONE, "", True)
+                return b""
             self._fill_hole(sid, st, out, MODEL_NONE, "")
         return None
+
+    def _admit_held(self, st: Call, model: str, out: list) -> bool:
+        """Admit a call held for its model (per-model limits). Refused: its held block is
+        dropped and the call marked as answered by the relay (``st.answer``); False."""
+        st.admit_later = False
+        refusal = self.relay.admission.acquire(model)  # no queue here: a full model sheds at once
+        if refusal is None:
+            st.counted = True
+            st.admitted = model
+            return True
+        out[st.hole] = b""
+        st.hole = -1
+        st.block = b""
+        self.holes -= 1
+        st.dropped = True
+        st.answer = (RESOURCE_EXHAUSTED, refusal.message)
+        return False
 
     def _finish_over_limit(self, sid: int, st: Call, model: str, version: str, out: list) -> None:
         out.append(frame(RST_STREAM, 0, sid, CANCEL.to_bytes(4, "big")))

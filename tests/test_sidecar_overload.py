@@ -18,6 +18,7 @@ from pathlib import Path
 
 import httpx
 import pytest
+import tritonclient.grpc as tgrpc
 import yaml
 
 from inferwatch import contract
@@ -104,6 +105,42 @@ def other_body() -> dict:
     return {
         "inputs": [{"name": name, "shape": list(arr.shape), "datatype": "FP32", "data": arr.ravel().tolist()}]
     }
+
+
+@pytest.mark.parametrize("engine", ["relay", "aio"])
+def test_grpc_burst_over_the_bucket_gets_exactly_capacity_admitted(triton, tmp_path, engine) -> None:
+    spec = write_spec(tmp_path, {"ranker": {"requests": {"capacity": CAPACITY, "fill_rate": 0.01}}})
+    with launch_sidecar(
+        triton.http_url, triton.grpc_url, tmp_path, "--spec", str(spec), "--grpc-engine", engine
+    ) as sc:
+        before_req = sc.counts(REQUESTS, "model", "protocol", "code")
+        before_triton = triton_success_count(triton, "ranker")
+        client = tgrpc.InferenceServerClient(sc.grpc_url)
+        x = example_input("ranker", batch=1)["FEATURES"]
+        inp = tgrpc.InferInput("FEATURES", list(x.shape), "FP32")
+        inp.set_data_from_numpy(x)
+        codes = []
+        details = []
+        for _ in range(BURST):
+            try:
+                client.infer("ranker", [inp], model_version="1")
+                codes.append("OK")
+            except Exception as exc:  # tritonclient wraps the RpcError
+                status = getattr(exc, "status", lambda: None)()
+                codes.append(str(status))
+                details.append(str(exc))
+        assert client.is_server_live()  # no model: not limited
+        client.close()
+        after_req = sc.counts(REQUESTS, "model", "protocol", "code")
+        shed = shed_counts(sc)
+        after_triton = triton_success_count(triton, "ranker")
+
+    assert codes == ["OK"] * CAPACITY + ["StatusCode.RESOURCE_EXHAUSTED"] * (BURST - CAPACITY), details
+    assert all("requests/s" in d for d in details)
+    assert shed.get(("ranker", "requests")) == BURST - CAPACITY
+    assert delta(after_req, before_req, ("ranker", "grpc", "RESOURCE_EXHAUSTED")) == BURST - CAPACITY
+    assert delta(after_req, before_req, ("ranker", "grpc", "OK")) == CAPACITY
+    assert after_triton - before_triton == CAPACITY
 
 
 # --------------------------------------------------------------------------- concurrency and queue
