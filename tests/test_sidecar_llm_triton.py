@@ -2,12 +2,16 @@
 generate_stream pass unchanged and are measured like the OpenAI API (TTFT, inter-token gaps,
 TPOT, generation tokens, the version Triton picked); an error after N tokens inside the 200
 stream is a server_error with its N tokens; a client that leaves mid-stream is 499 with the
-tokens it got. The session's sidecar and Triton (tests/fixtures) serve every test.
+tokens it got; a Triton killed mid-stream is a server_error and the client's stream is closed
+after its tokens. The session's sidecar and Triton (tests/fixtures) serve every test but the
+last, which kills a Triton of its own.
 """
 
 from __future__ import annotations
 
 import json
+import os
+import signal
 import socket
 import time
 from collections.abc import Iterator
@@ -18,7 +22,8 @@ import pytest
 
 from inferwatch import contract as c
 from reference_server import faults
-from tests.fixtures.sidecar import SidecarInfo
+from tests.fixtures.sidecar import SidecarInfo, launch_sidecar
+from tests.fixtures.triton import start_triton
 
 pytestmark = pytest.mark.integration
 
@@ -175,3 +180,34 @@ def test_the_kserve_path_stays_without_llm_series(triton, sidecar: SidecarInfo) 
     assert sum(delta(REQUESTS, "ranker", "1", code, o) for code in ("200", "400") for o in c.OUTCOMES) == 1
     series = {labels["model"] for labels, _ in sidecar.samples(TTFT)}
     assert "ranker" not in series
+
+
+def test_triton_killed_mid_stream_is_a_server_error_and_the_client_stream_closes(tmp_path: Path) -> None:
+    """A Triton of its own (only tiny_stream loaded), killed while a stream passes."""
+    server = start_triton(
+        tmp_path / "state", extra_args=("--model-control-mode=explicit", f"--load-model={MODEL}")
+    )
+    try:
+        faults.set_fault(MODEL, "1", ttft_ms=0, per_token_ms=100, state_dir=tmp_path / "state")
+        with launch_sidecar(server.http_url, server.grpc_url, tmp_path, "--grpc-port", "0") as sc:
+            delta = Delta(sc)
+            payload = json.dumps({"text_input": "a", "max_tokens": 100}).encode()
+            head = (
+                f"POST {_path('generate_stream', '1')} HTTP/1.1\r\nHost: x\r\n"
+                f"Content-Type: application/json\r\nContent-Length: {len(payload)}\r\n\r\n"
+            ).encode()
+            with socket.create_connection(("127.0.0.1", sc.http_port), timeout=30) as sock:
+                sock.sendall(head + payload)
+                got = b""
+                while got.count(b"text_output") < 3:
+                    got += sock.recv(4096)
+                assert server.proc is not None
+                os.killpg(server.proc.pid, signal.SIGKILL)
+                server.proc.wait()
+                while more := sock.recv(65536):  # EOF (not a reset, not a hang) after the tokens
+                    got += more
+            assert got.startswith(b"HTTP/1.1 200") and not got.endswith(b"0\r\n\r\n")
+            assert delta(REQUESTS, MODEL, "1", "502", c.OUTCOME_SERVER_ERROR) == 1
+            assert 3 <= delta(TOKENS, MODEL, "1", c.TOKEN_GENERATION) < 20
+    finally:
+        server.stop()
