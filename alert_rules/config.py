@@ -139,6 +139,10 @@ class RulesConfig:
     # links
     runbook_base_url: str
     grafana_url: str
+    # load shedding (warning): the share of a model's requests its limits shed
+    shed_threshold: float = 0.01
+    shed_window: str = "5m"
+    shed_for: str = "5m"
 
     @classmethod
     def from_spec(cls, spec: FleetSpec) -> RulesConfig:
@@ -200,6 +204,9 @@ class RulesConfig:
             canary_for=spec.canary.for_,
             runbook_base_url=spec.links.runbook_base_url.rstrip("/"),
             grafana_url=spec.links.grafana_url.rstrip("/"),
+            shed_threshold=spec.alerts.load_shedding.threshold,
+            shed_window=spec.alerts.load_shedding.window,
+            shed_for=spec.alerts.load_shedding.for_,
         )
 
     @property

@@ -11,7 +11,18 @@ from pathlib import Path
 from string import Template
 
 from alert_rules.config import KV_CACHE_THRESHOLD, RulesConfig
-from alert_rules.groups import canary, errors, gpu, health, latency, llm, llm_saturation, llm_slo, slo
+from alert_rules.groups import (
+    canary,
+    errors,
+    gpu,
+    health,
+    latency,
+    llm,
+    llm_saturation,
+    llm_slo,
+    overload,
+    slo,
+)
 from inferwatch import contract as c
 from inferwatch.spec import FleetSpec
 
@@ -69,6 +80,10 @@ def values(spec: FleetSpec) -> dict[str, str]:
         "canary_for": cfg.canary_for,
         "canary_expr": canary.alert_expr(cfg),
         **_llm_values(cfg),
+        "shed_threshold": f"{cfg.shed_threshold:.1%}",
+        "shed_window": cfg.shed_window,
+        "shed_for": cfg.shed_for,
+        "shed_expr": overload.alert_expr(cfg),
         "slo_models": ", ".join(f"{s.model} ({s.objective:.3%} over {s.period})" for s in cfg.slos) or "none",
     }
 

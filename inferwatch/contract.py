@@ -561,6 +561,10 @@ LLM_ALERTS = {
     ALERT_LLM_REQUESTS_QUEUED: SEVERITY_WARNING,
 }
 OTHER_ALERTS |= LLM_ALERTS
+# Overload protection: a model whose limits shed more than the spec's share of its requests.
+ALERT_LOAD_SHEDDING = "InferenceLoadShedding"
+OTHER_ALERTS[ALERT_LOAD_SHEDDING] = SEVERITY_WARNING
+REC_SHED_RATIO = "model:inferwatch_requests_shed:ratio_rate"  # over alerts.load_shedding.window
 L_CHECK = "check"  # on ALERT_CANARY_REGRESSION: which comparison failed ("errors" or "latency")
 ALL_ALERTS = {**TIERED_ALERTS, **OTHER_ALERTS}
 
@@ -655,6 +659,7 @@ RECORDING_RULES = (
     REC_VLLM_REQUESTS_WAITING,
     REC_VLLM_REQUESTS_RUNNING,
     REC_VLLM_PREEMPTIONS_RATE,
+    REC_SHED_RATIO,
     REC_REQUEST_RATE,
     REC_SERVER_ERROR_RATIO,
     REC_LATENCY_QUANTILE,

@@ -69,10 +69,20 @@ class GpuMemoryAlert(_Strict):
     for_: Duration = Field("5m", alias="for")
 
 
+class LoadSheddingAlert(_Strict):
+    """warning: the share of a model's requests the sidecar's limits shed above ``threshold``
+    over ``window``, held ``for`` (InferenceLoadShedding)."""
+
+    threshold: float = Field(0.01, gt=0, lt=1)
+    window: Duration = "5m"
+    for_: Duration = Field("5m", alias="for")
+
+
 class Alerts(_Strict):
     error_rate: ErrorRateAlert = ErrorRateAlert()
     latency: LatencyAlert = LatencyAlert()
     gpu_memory: GpuMemoryAlert = GpuMemoryAlert()
+    load_shedding: LoadSheddingAlert = LoadSheddingAlert()
 
 
 class Slo(_Strict):

@@ -45,6 +45,7 @@ def test_promtool_check_rules_passes_on_every_generated_file() -> None:
             "llm.rules.yml",
             "llm_slo.rules.yml",
             "llm_saturation.rules.yml",
+            "overload.rules.yml",
         ]
     )
     proc = run(["promtool", "check", "rules", *map(str, files)])

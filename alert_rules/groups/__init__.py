@@ -7,9 +7,20 @@
 from __future__ import annotations
 
 from alert_rules.config import AlertTiming, RulesConfig
-from alert_rules.groups import canary, errors, gpu, health, latency, llm, llm_saturation, llm_slo, slo
+from alert_rules.groups import (
+    canary,
+    errors,
+    gpu,
+    health,
+    latency,
+    llm,
+    llm_saturation,
+    llm_slo,
+    overload,
+    slo,
+)
 
-GROUPS = (errors, latency, gpu, slo, health, canary, llm, llm_slo, llm_saturation)
+GROUPS = (errors, latency, gpu, slo, health, canary, llm, llm_slo, llm_saturation, overload)
 
 TIMED = (errors, latency, gpu)
 
