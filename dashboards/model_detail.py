@@ -204,6 +204,20 @@ def dashboard(spec: FleetSpec) -> g.Dashboard:
                 ],
                 w=8,
             ),
+            p.timeseries(
+                "Shed requests by reason",
+                "Requests per second the sidecars' per-model limits (the fleet spec's limits) answered "
+                "themselves, HTTP 429 or gRPC RESOURCE_EXHAUSTED, before the model server saw them, by "
+                "reason: requests (request bucket), tokens (LLM token bucket), queue_full (concurrency "
+                "cap and queue full), queue_timeout (waited too long for a slot). They are also in the "
+                f"request rate. {c.ALERT_LOAD_SHEDDING} fires above {cfg.shed_threshold:.1%} of a "
+                f"model's requests over {cfg.shed_window}. 0: nothing shed.",
+                p.targets((p.shed_by_reason("", p.MODEL_SEL, sel), "shed: {{reason}}")),
+                "reqps",
+                "shed requests/s",
+                w=24,
+                h=6,
+            ),
         ],
     )
     return p.dashboard(

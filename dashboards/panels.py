@@ -126,6 +126,15 @@ def ratio_or_zero(numerator: str, denominator: str, by: str) -> str:
     )
 
 
+def shed_by_reason(by: str, shed_sel: str, total_sel: str) -> str:
+    """Requests/s the sidecars' per-model limits shed, by ``by`` and reason; a model with
+    traffic that sheds nothing reads 0 (one series without a reason), not "No data"."""
+    labels = ", ".join(x for x in (by, c.L_REASON) if x)
+    shed = f"sum by ({labels}) ({rate(c.REQUESTS_SHED, shed_sel)})"
+    zero = f"0 * sum by ({by}) ({rate(c.REQUESTS_TOTAL, total_sel)})"
+    return f"{shed} or ({zero} unless on ({by}) {shed})"
+
+
 def quantile(q: float, bucket_rate: str, by: str) -> str:
     labels = ", ".join(x for x in (by, "le") if x)
     return f"histogram_quantile({q:g}, sum by ({labels}) ({bucket_rate}))"

@@ -319,6 +319,7 @@ DRILL_DOWNS = {
             "Request rate by model",
             "Server-error ratio by model and version",
             "Timeout ratio by model",
+            "Shed requests by model and reason",
             "P99 latency / SLA by model and version",
             "Requests in flight by model",
         )
