@@ -11,6 +11,7 @@ in flight with the token-streaming model (tiny_stream), as in test_sidecar_admis
 from __future__ import annotations
 
 import contextlib
+import signal
 import threading
 import time
 from collections.abc import Iterator
@@ -209,3 +210,101 @@ def test_http_queue_waits_for_a_slot_times_out_and_fills(triton, tmp_path) -> No
     assert delta(after, before, (STREAM_MODEL, "429")) == 2
     assert delta(after, before, (STREAM_MODEL, "200")) == 1  # the waiter that got its slot
     assert delta(after, before, (STREAM_MODEL, "499")) == 2  # the held streams, left by the client
+
+
+# --------------------------------------------------------------------------- SIGHUP
+
+
+def burst(base_url: str, n: int) -> list[int]:
+    body = ranker_body()
+    with httpx.Client(base_url=base_url, timeout=30) as client:
+        return [client.post("/v2/models/ranker/versions/1/infer", json=body).status_code for _ in range(n)]
+
+
+def test_sighup_changes_limits_under_load_and_a_bad_spec_keeps_them(triton, tmp_path) -> None:
+    generous = {"ranker": {"requests": {"capacity": 100000, "fill_rate": 100000}}}
+    strict = {"ranker": {"requests": {"capacity": 2, "fill_rate": 0.01}}}
+    spec = write_spec(tmp_path, generous)
+    with launch_sidecar(triton.http_url, triton.grpc_url, tmp_path, "--spec", str(spec)) as sc:
+        stop = threading.Event()
+        seen: list[object] = []
+
+        def http_load() -> None:
+            body = ranker_body()
+            with httpx.Client(base_url=sc.base_url, timeout=30) as client:
+                while not stop.is_set():
+                    try:
+                        seen.append(client.post("/v2/models/ranker/versions/1/infer", json=body).status_code)
+                    except httpx.HTTPError as exc:
+                        seen.append(repr(exc))
+
+        def grpc_load() -> None:
+            client = tgrpc.InferenceServerClient(sc.grpc_url)  # one channel across the reloads
+            x = example_input("ranker", batch=1)["FEATURES"]
+            inp = tgrpc.InferInput("FEATURES", list(x.shape), "FP32")
+            inp.set_data_from_numpy(x)
+            while not stop.is_set():
+                try:
+                    client.infer("ranker", [inp], model_version="1")
+                    seen.append("OK")
+                except Exception as exc:  # tritonclient wraps the RpcError
+                    status = getattr(exc, "status", None)
+                    seen.append(str(status()) if status else repr(exc))
+            client.close()
+
+        threads = [threading.Thread(target=f) for f in (http_load, grpc_load)]
+        # A stream of a model without limits, open across both reloads.
+        with (
+            httpx.Client(base_url=sc.base_url, timeout=60) as held_client,
+            held_client.stream(
+                "POST",
+                f"/v2/models/{STREAM_MODEL}/versions/1/generate_stream",
+                json={"text_input": "a b", "max_tokens": 4096},
+            ) as held,
+        ):
+            lines = held.iter_lines()
+            next(lines)
+            for t in threads:
+                t.start()
+            time.sleep(1.0)
+            assert set(seen) == {200, "OK"}, set(seen)  # generous: everything admitted
+
+            write_spec(tmp_path, strict)
+            sc.proc.send_signal(signal.SIGHUP)
+            wait_for_log(sc, "spec reloaded", 1)
+            time.sleep(1.0)
+            strict_seen = len(seen)
+            time.sleep(1.0)
+            after_strict = set(seen[strict_seen:])
+            # The bucket is empty under this load: every request is shed now.
+            assert after_strict and after_strict <= {429, "StatusCode.RESOURCE_EXHAUSTED"}, after_strict
+
+            (tmp_path / "fleet.yaml").write_text(
+                yaml.safe_dump(
+                    {"models": [{"name": "ranker", "latency_sla_ms": 500, "limits": {"queue": 3}}]}
+                )
+            )
+            sc.proc.send_signal(signal.SIGHUP)
+            wait_for_log(sc, "spec reload refused", 1)
+            bad_seen = len(seen)
+            time.sleep(1.0)
+            stop.set()
+            for t in threads:
+                t.join(30)
+            after_bad = set(seen[bad_seen:])
+            assert after_bad and after_bad <= {429, "StatusCode.RESOURCE_EXHAUSTED"}, after_bad
+            assert burst(sc.base_url, 3) == [429] * 3  # the strict limits stayed
+            for _ in range(3):
+                next(lines)  # the held stream still flows
+        log = sc.log()
+
+    # Nothing but answers: no admitted request failed and no connection broke.
+    assert set(seen) <= {200, "OK", 429, "StatusCode.RESOURCE_EXHAUSTED"}, set(seen)
+    assert "models[0].limits.queue: a queue waits for a concurrency slot" in log
+
+
+def wait_for_log(sc, text: str, count: int, timeout: float = 15.0) -> None:
+    deadline = time.monotonic() + timeout
+    while sc.log().count(text) < count:
+        assert time.monotonic() < deadline, f"no {text!r} in the sidecar's log:\n{sc.log()[-2000:]}"
+        time.sleep(0.05)
