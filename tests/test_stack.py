@@ -313,3 +313,58 @@ def test_the_stack_modules_import_one_way() -> None:
         "inferwatch.stack.observe",
         "inferwatch.stack.timing",
     }
+
+
+def test_up_llm_runs_vllm_and_a_sidecar_of_its_own_scraped_by_prometheus(tmp_path: Path) -> None:
+    """``up --llm``: vLLM and an LLM sidecar in front of it (HTTP only), on the contract's
+    ports, both scraped; without --llm neither runs and their ports are not checked."""
+    assert (
+        StackConfig(spec_path=DEMO_SPEC, llm=True).ports["llm_sidecar_http"]
+        == contract.PORTS["llm_sidecar_http"]
+    )
+    plain = prepared(tmp_path / "plain")
+    assert {"vllm", "llm-sidecar"}.isdisjoint(c.name for c in plain.components())
+    prom = yaml.safe_load((tmp_path / "plain" / "state" / "prometheus" / "prometheus.yml").read_text())
+    assert contract.JOB_VLLM not in {j["job_name"] for j in prom["scrape_configs"]}
+
+    config = StackConfig(spec_path=DEMO_SPEC, state_dir=tmp_path / "state", ports=free_ports(), llm=True)
+    stack = Stack(config)
+    stack.spec = load_spec(DEMO_SPEC)
+    stack.prepare()
+    p = stack.config.ports
+    comps = {c.name: c for c in stack.components()}
+    names = list(comps)
+    order = [names.index(n) for n in ("sidecar", "vllm", "llm-sidecar", "prometheus")]
+    assert order == sorted(order)
+    vllm, sidecar = comps["vllm"].cmd, comps["llm-sidecar"].cmd
+    assert vllm[vllm.index("--port") + 1] == str(p["vllm"])
+    assert sidecar[sidecar.index("--upstream-http") + 1] == f"127.0.0.1:{p['vllm']}"
+    assert sidecar[sidecar.index("--http-port") + 1] == str(p["llm_sidecar_http"])
+    assert sidecar[sidecar.index("--metrics-port") + 1] == str(p["llm_sidecar_metrics"])
+    assert sidecar[sidecar.index("--grpc-port") + 1] == "0"
+    prom = yaml.safe_load((tmp_path / "state" / "prometheus" / "prometheus.yml").read_text())
+    targets = {j["job_name"]: j["static_configs"][0]["targets"] for j in prom["scrape_configs"]}
+    assert targets[contract.JOB_VLLM] == [f"127.0.0.1:{p['vllm']}"]
+    assert f"127.0.0.1:{p['llm_sidecar_metrics']}" in targets[contract.JOB_SIDECAR]
+
+
+def test_demo_llm_refuses_a_running_stack_without_vllm(tmp_path: Path) -> None:
+    from inferwatch.stack.config import port_names
+
+    assert "vllm" not in port_names(False) and "vllm" in port_names(True)
+    state = tmp_path / "state"
+    state.mkdir()
+    info = {
+        "state_dir": str(state), "spec_path": str(DEMO_SPEC), "ports": free_ports(), "host": "127.0.0.1",
+        "supervisor_pid": os.getpid(), "gpu_backend": "simulated", "started_at": 0.0,
+    }  # fmt: skip
+    (state / STACK_FILE).write_text(json.dumps(info))
+    proc = subprocess.run(
+        inferwatch_cmd("demo", "--scenario", "llm", "--state-dir", str(state)),
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert proc.returncode == 1, proc.stderr
+    assert "has no vLLM" in proc.stderr and "up --llm" in proc.stderr
+    assert len(proc.stderr.strip().splitlines()[-1]) < 300

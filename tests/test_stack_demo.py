@@ -139,3 +139,21 @@ def test_the_rule_timings_are_the_ones_the_alert_groups_export(monkeypatch) -> N
     assert timing.resolve_bound(DEMO, lat.alertname) == 7 + 2 + 5
     source = (ROOT / "inferwatch" / "stack" / "timing.py").read_text()
     assert "spec.alerts" not in source
+
+
+def test_the_llm_incident_plans_one_page_per_fault_with_its_minimum() -> None:
+    from inferwatch.stack.demo_llm import SATURATION_SKIPPED, LlmDemo, LlmScenario
+
+    demo = LlmDemo.__new__(LlmDemo)  # the plan needs only the spec and the scenario
+    demo.spec, demo.sc = DEMO, LlmScenario()
+    faults = {f.alertname: f for f in demo._plan()}
+    errors = faults[contract.ALERT_HIGH_ERROR_RATE]
+    assert (errors.severity, errors.minimum_s) == ("critical", 28)  # as the main demo's burst
+    assert errors.match == {contract.L_MODEL: "tiny_stream", contract.L_VERSION: "1"}
+    ttft = faults[contract.ALERT_HIGH_TTFT]
+    # The TTFT rule holds the latency tier's for (30s) over its window: + evaluation + warning wait.
+    assert (ttft.severity, ttft.minimum_s, ttft.resolve_bound_s) == ("warning", 30 + 2 + 3, 20 + 2 + 5)
+    assert ttft.match == {contract.L_MODEL: "tiny_stream", contract.L_VERSION: "2"}
+    kv = faults[contract.ALERT_LLM_KV_CACHE_SATURATION]
+    assert (kv.severity, kv.minimum_s, kv.skipped) == ("info", 15 + 2 + 5, SATURATION_SKIPPED)
+    assert LlmScenario().ttft_ms > 2 * DEMO.defaults.ttft_sla_ms  # the regression crosses 2x the SLA

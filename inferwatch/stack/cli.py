@@ -17,7 +17,7 @@ DEMO_SPEC = "fleet.demo.yaml"
 
 
 def _add_stack_args(p: argparse.ArgumentParser, spec_default: str) -> None:
-    from inferwatch.stack.config import PORT_NAMES
+    from inferwatch.stack.config import DEFAULT_PORTS
     from inferwatch.stack.core import DEFAULT_READY_TIMEOUT, default_state_dir
 
     p.add_argument("--spec", default=spec_default, help="the fleet spec (default: %(default)s)")
@@ -32,7 +32,7 @@ def _add_stack_args(p: argparse.ArgumentParser, spec_default: str) -> None:
         action="append",
         default=[],
         metavar="NAME=PORT",
-        help=f"move one component to another port (repeatable); NAME is one of {', '.join(PORT_NAMES)}",
+        help=f"move one component to another port (repeatable); NAME is one of {', '.join(DEFAULT_PORTS)}",
     )
     p.add_argument(
         "--free-ports",
@@ -50,6 +50,7 @@ def _add_stack_args(p: argparse.ArgumentParser, spec_default: str) -> None:
 
 def register(sub: argparse._SubParsersAction) -> None:
     from inferwatch.stack.demo import DEFAULT_RATE
+    from inferwatch.stack.demo_llm import LlmScenario
 
     up = sub.add_parser(
         "up",
@@ -60,7 +61,8 @@ def register(sub: argparse._SubParsersAction) -> None:
             "pager receiver, two clustered Alertmanagers and Prometheus with the rules generated from the "
             "spec. Configs, data and logs go under the state dir. Runs in the foreground; a component "
             "that dies is restarted with backoff, and one that still fails after 5 restarts in a row "
-            "stops the stack (exit 1). Ctrl-C or SIGTERM stops every process it started."
+            "stops the stack (exit 1). Ctrl-C or SIGTERM stops every process it started. With --llm, also "
+            "the real vLLM and an LLM sidecar in front of it."
         ),
     )
     _add_stack_args(up, DEFAULT_SPEC)
@@ -70,6 +72,7 @@ def register(sub: argparse._SubParsersAction) -> None:
         default="auto",
         help="the GPU exporter's backend (default: %(default)s: NVML when it works, else simulated)",
     )
+    _add_llm_args(up)
     up.set_defaults(func=_up)
 
     demo = sub.add_parser(
@@ -96,17 +99,42 @@ def register(sub: argparse._SubParsersAction) -> None:
     demo.add_argument(
         "--rate",
         type=float,
-        default=DEFAULT_RATE,
+        default=None,
         metavar="RPS",
-        help="steady request rate (default: %(default)s)",
+        help=f"steady request rate (default: {DEFAULT_RATE:g}; llm: tiny_stream streams/s, "
+        f"default {LlmScenario.rate:g})",
     )
     demo.add_argument(
         "--keep-running",
         action="store_true",
         help="leave a stack the demo started running afterwards (stop it with Ctrl-C)",
     )
+    demo.add_argument(
+        "--scenario",
+        choices=("main", "llm"),
+        default="main",
+        help="main: the incident above; llm: an LLM incident on a stack with vLLM (up --llm): steady "
+        "token streams, a TTFT regression on the tiny_stream canary (warning), errors after N tokens "
+        "(critical), then recovery (default: %(default)s)",
+    )
     demo.add_argument("--json", type=Path, default=None, metavar="FILE", help="write the results as JSON")
     demo.set_defaults(func=_demo)
+
+
+def _add_llm_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--llm",
+        action="store_true",
+        help="also run the real vLLM (inferwatch vllm; 35 to 120 s to start, about 3 GB) and an LLM "
+        "sidecar of its own in front of it (HTTP :8020, metrics :9120), both scraped by Prometheus",
+    )
+    p.add_argument(
+        "--kv-cache-gib",
+        type=int,
+        default=None,
+        metavar="GIB",
+        help="with --llm: vLLM's KV cache in whole GiB (default: inferwatch vllm's)",
+    )
 
 
 def _up(args: argparse.Namespace) -> int:
@@ -134,7 +162,8 @@ def _up(args: argparse.Namespace) -> int:
 def _demo(args: argparse.Namespace) -> int:
     import httpx
 
-    from inferwatch.stack.demo import Demo, Scenario
+    from inferwatch.stack.demo import DEFAULT_RATE, Demo, Scenario
+    from inferwatch.stack.demo_llm import LlmDemo, LlmScenario
     from inferwatch.stack.demo_view import make_reporter, print_results
     from inferwatch.stack.managed import (
         managed_stack,
@@ -145,19 +174,30 @@ def _demo(args: argparse.Namespace) -> int:
     )
     from inferwatch.stack.view import console, print_summary
 
-    if args.rate <= 0:
+    if args.rate is not None and args.rate <= 0:
         raise CliError("--rate must be above 0", 2)
     if args.steady is not None and args.steady < 0:
         raise CliError("--steady must be 0 or more seconds", 2)
-    scenario = Scenario(steady_s=args.steady, rate=args.rate)
+    llm = args.scenario == "llm"
+    if llm:
+        scenario = LlmScenario(steady_s=args.steady, rate=args.rate or LlmScenario.rate)
+    else:
+        scenario = Scenario(steady_s=args.steady, rate=args.rate or DEFAULT_RATE)
     config = stack_config(args)
     config.gpu_backend = "simulated"  # the demo pushes the simulated GPU into memory pressure
+    config.llm = llm  # a stack the LLM demo starts runs vLLM and its sidecar (up --llm)
     setup_logging(config.state_dir)
     with stop_on_signals() as stop, managed_stack(config, stop, reuse_running=True) as (info, stack):
         if stack is not None:
             print_summary(stack)
+        if llm and not info.llm:
+            raise CliError(
+                f"the running stack in {info.state_dir} has no vLLM: the LLM scenario needs one started "
+                "with `inferwatch up --llm` (or stop it and let the demo start its own)"
+            )
         # The demo's own stack is supervised as up's is, from this (the starting) thread.
-        demo = Demo(info, info.spec(), scenario, stop, watch=(lambda: supervised(stack)) if stack else None)
+        watch = (lambda: supervised(stack)) if stack else None
+        demo = (LlmDemo if llm else Demo)(info, info.spec(), scenario, stop, watch=watch)
         minutes = demo.expected_seconds() / 60
         if stack is None and minutes > 6:
             console.print(

@@ -30,6 +30,8 @@ PORT_NAMES = (
     "alertmanager_2_cluster",
     "prometheus",
 )
+# With ``inferwatch up --llm``: the real vLLM and an LLM sidecar of its own in front of it.
+LLM_PORT_NAMES = ("vllm", "llm_sidecar_http", "llm_sidecar_metrics")
 # The two clustered Alertmanagers: (component name, web port, gossip port, its peer's gossip port).
 ALERTMANAGERS = (
     ("alertmanager", "alertmanager", "alertmanager_cluster", "alertmanager_2_cluster"),
@@ -37,7 +39,12 @@ ALERTMANAGERS = (
 )
 # Alertmanager's --cluster.peer-timeout for the pair (core.py says why it is short).
 PEER_TIMEOUT = "2s"
-DEFAULT_PORTS: dict[str, int] = {name: contract.PORTS[name] for name in PORT_NAMES}
+DEFAULT_PORTS: dict[str, int] = {name: contract.PORTS[name] for name in (*PORT_NAMES, *LLM_PORT_NAMES)}
+
+
+def port_names(llm: bool) -> tuple[str, ...]:
+    """The ports a stack binds: the LLM ones only with ``llm``."""
+    return (*PORT_NAMES, *LLM_PORT_NAMES) if llm else PORT_NAMES
 
 
 def _seconds_text(seconds: float) -> str:

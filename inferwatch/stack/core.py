@@ -55,6 +55,13 @@ class StackConfig:
     host: str = "127.0.0.1"
     ready_timeout: float = DEFAULT_READY_TIMEOUT
     restart: RestartPolicy = field(default_factory=RestartPolicy)
+    # ``up --llm``: the real vLLM (``inferwatch vllm``) and an LLM sidecar of its own.
+    llm: bool = False
+    kv_cache_gib: int | None = None  # vLLM's KV cache; None: ``inferwatch vllm``'s default
+
+    @property
+    def port_names(self) -> tuple[str, ...]:
+        return cfg.port_names(self.llm)
 
 
 @dataclass
@@ -71,6 +78,7 @@ class StackInfo:
     started_at: float
     pids: dict[str, int] = field(default_factory=dict)
     restarts: dict[str, int] = field(default_factory=dict)  # by component, since the start
+    llm: bool = False  # vLLM and the LLM sidecar run too
 
     def url(self, port: str, path: str = "") -> str:
         return f"http://{self.host}:{self.ports[port]}{path}"
@@ -102,6 +110,11 @@ class StackInfo:
         return f"{self.host}:{self.ports['sidecar_http']}"
 
     @property
+    def llm_sidecar_url(self) -> str:
+        """The LLM sidecar's OpenAI-compatible base URL (in front of vLLM)."""
+        return self.url("llm_sidecar_http")
+
+    @property
     def token_file(self) -> Path:
         return self.state_dir / "pager.token"
 
@@ -129,6 +142,7 @@ class StackInfo:
             "started_at": self.started_at,
             "pids": self.pids,
             "restarts": self.restarts,
+            "llm": self.llm,
         }
 
     @classmethod
@@ -143,6 +157,7 @@ class StackInfo:
             started_at=float(data["started_at"]),
             pids={k: int(v) for k, v in data.get("pids", {}).items()},
             restarts={k: int(v) for k, v in data.get("restarts", {}).items()},
+            llm=bool(data.get("llm", False)),
         )
 
 
@@ -167,9 +182,9 @@ def parse_port_overrides(items: list[str]) -> dict[str, int]:
     for item in items:
         name, sep, value = item.partition("=")
         name = name.strip().replace("-", "_")
-        if not sep or name not in cfg.PORT_NAMES:
+        if not sep or name not in cfg.DEFAULT_PORTS:
             raise ValueError(
-                f"--port {item!r}: expected NAME=PORT with NAME one of {', '.join(cfg.PORT_NAMES)}"
+                f"--port {item!r}: expected NAME=PORT with NAME one of {', '.join(cfg.DEFAULT_PORTS)}"
             )
         if not value.isdigit() or not 0 < int(value) < 65536:
             raise ValueError(f"--port {item!r}: {value!r} is not a TCP port (1-65535)")
@@ -181,11 +196,11 @@ def free_ports(host: str = "127.0.0.1") -> dict[str, int]:
     """A free port for every component (held open together so no two are the same)."""
     socks = []
     try:
-        for _ in cfg.PORT_NAMES:
+        for _ in cfg.DEFAULT_PORTS:
             s = socket.socket()
             s.bind((host, 0))
             socks.append(s)
-        return {name: s.getsockname()[1] for name, s in zip(cfg.PORT_NAMES, socks, strict=True)}
+        return {name: s.getsockname()[1] for name, s in zip(cfg.DEFAULT_PORTS, socks, strict=True)}
     finally:
         for s in socks:
             s.close()
@@ -240,18 +255,26 @@ class Stack:
                 f"a stack is already running from {c.state_dir} (pid {other.supervisor_pid}): "
                 f"stop it (Ctrl-C in its terminal, or kill -TERM {other.supervisor_pid}) or pass --state-dir"
             )
-        dupes = sorted({p for p in c.ports.values() if list(c.ports.values()).count(p) > 1})
+        used = {n: c.ports[n] for n in c.port_names}
+        dupes = sorted({p for p in used.values() if list(used.values()).count(p) > 1})
         if dupes:
-            names = [n for n, p in c.ports.items() if p == dupes[0]]
+            names = [n for n, p in used.items() if p == dupes[0]]
             raise StackError(f"port {dupes[0]} is given to both {names[0]} and {names[1]}: give each its own")
-        for name in cfg.PORT_NAMES:
+        if c.llm:
+            from reference_server.llm.vllm_server import DEFAULT_MODEL_DIR, DEFAULT_VENV
+
+            if not (DEFAULT_VENV / "bin" / "python").exists() or not DEFAULT_MODEL_DIR.is_dir():
+                raise StackError(
+                    f"--llm needs vLLM in {DEFAULT_VENV} and its tiny model: run scripts/bootstrap"
+                )
+        for name in c.port_names:
             port = c.ports[name]
             if _port_taken(c.host, port):
                 raise StackError(
                     f"port {port} ({name}) is already in use on {c.host}: stop what listens there "
                     f"(ss -ltnp 'sport = :{port}') or pick another with --port {name}=PORT (or --free-ports)"
                 )
-        absent = _missing_commands(COMPONENT_COMMANDS)
+        absent = _missing_commands((*COMPONENT_COMMANDS, *(("vllm",) if c.llm else ())))
         if absent:
             raise StackError(
                 f"this inferwatch has no {', '.join(absent)} command: the component is not installed; "
@@ -290,7 +313,7 @@ class Stack:
         rule_files = generate.rule_files(gen_dir)
         if not rule_files or not (gen_dir / "alertmanager.yml").is_file():
             raise StackError(f"the rule generator wrote no rule files or alertmanager.yml into {gen_dir}")
-        prom = cfg.prometheus_config(spec, c.ports, rule_files, c.host)
+        prom = cfg.prometheus_config(spec, c.ports, rule_files, c.host, llm=c.llm)
         cfg.write_yaml(d / "prometheus" / "prometheus.yml", prom)
         log.info("generated configs", rules=len(rule_files), dir=str(d))
 
@@ -307,6 +330,33 @@ class Stack:
         def url(port: str, path: str = "") -> str:
             return f"http://{h}:{p[port]}{path}"
 
+        llm = []
+        if c.llm:
+            kv = () if c.kv_cache_gib is None else ("--kv-cache-gib", f"{c.kv_cache_gib}")
+            llm = [
+                Component(
+                    "vllm",
+                    [
+                        *inferwatch, "vllm", "--host", h, "--port", str(p["vllm"]), *kv,
+                        "--log-file", str(log_dir / "vllm-server.log"), "--ready-timeout", f"{max(t, 240):g}",
+                    ],
+                    # vLLM takes 35 to 120 s here: its own readiness wait, not the stack's default.
+                    url("vllm", "/v1/models"), log_dir / "vllm.log", env, max(t, 240),
+                    url=f"{url('vllm', '/v1')} (OpenAI API), {url('vllm', '/metrics')}",
+                ),
+                Component(
+                    "llm-sidecar",
+                    [
+                        # vLLM speaks HTTP only: the LLM sidecar runs no gRPC proxy (port 0).
+                        *inferwatch, "sidecar", "--host", h,
+                        "--upstream-http", f"{h}:{p['vllm']}", "--upstream-grpc", f"{h}:{p['vllm']}",
+                        "--http-port", str(p["llm_sidecar_http"]), "--grpc-port", "0",
+                        "--metrics-port", str(p["llm_sidecar_metrics"]), "--spec", str(d / SPEC_COPY),
+                    ],
+                    url("llm_sidecar_metrics", "/readyz"), log_dir / "llm-sidecar.log", env, t,
+                    url=url("llm_sidecar_http", "/v1"),
+                ),
+            ]  # fmt: skip
         return [
             Component(
                 "triton",
@@ -332,6 +382,7 @@ class Stack:
                 url("sidecar_metrics", "/readyz"), log_dir / "sidecar.log", env, t,
                 url=f"{url('sidecar_http')} (HTTP), {h}:{p['sidecar_grpc']} (gRPC)",
             ),
+            *llm,
             Component(
                 "gpu-exporter",
                 [*inferwatch, "gpu-exporter", "--host", h, "--port", str(p["gpu_exporter"]),
@@ -415,12 +466,13 @@ class Stack:
         self.info = StackInfo(
             state_dir=c.state_dir,
             spec_path=Path(c.spec_path).resolve(),
-            ports=dict(c.ports),
+            ports={n: c.ports[n] for n in c.port_names},
             host=c.host,
             supervisor_pid=os.getpid(),
             gpu_backend=c.gpu_backend,
             started_at=started_at,
             pids={r.component.name: r.proc.pid for r in self.supervisor.running},
+            llm=c.llm,
         )
         self._write_info()
         return self.info

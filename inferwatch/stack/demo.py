@@ -414,46 +414,16 @@ class Demo:
         self.traffic = self._make_traffic()
         try:
             self._reset()
+            self._prepare()
             self.traffic.start()
             self._set_phase(
                 PHASE_STEADY, f"{r.steady_s:g}s of steady traffic ({self._traffic_text()}): nothing may page"
             )
             if not self._sleep(r.steady_s):
                 return self._finish()
-            # The error burst starts at a fixed place in its rule's window (error_burst_lead).
-            first = self.faults[0].alertname if self.faults else ""
-            if first == contract.ALERT_HIGH_ERROR_RATE and not self._sleep(
-                next_error_window_start(self.spec, time.time()) - time.time()
-            ):
-                return self._finish()
-            r.faults_started_at = time.time()
-            self._set_phase(PHASE_FAULTS, "injecting one fault per alert tier")
-            for i, f in enumerate(self.faults):
-                if i and not self._sleep(self.sc.stagger_s):
-                    return self._finish()
-                self._inject(f)
-            active = [f for f in self.faults if not f.skipped]
-            last = max((f.injected_at or 0) + deadline_after(f.minimum_s) for f in active) if active else 0
-            self._wait_for(lambda: all(f.page_at is not None for f in active), last)
-            if r.aborted:
-                return self._finish()
-            if self.sc.canary:
-                self._judge_canary(CANARY_DURING)
-            self._set_phase(PHASE_RECOVERY, "clearing every fault: each alert must resolve")
-            self._recover()
-            cleared = time.time()
-            for f in active:
-                f.cleared_at = cleared
-                self.reporter.event(f"cleared: {f.title}")
-            last = cleared + max((deadline_after(f.resolve_bound_s) for f in active), default=0)
-            fired = [f for f in active if f.page_at is not None]
-            self._wait_for(lambda: all(f.resolved_at is not None for f in fired), last)
-            # The verdict after recovery judges a window that holds no faulty request: it
-            # ends a whole window and two scrapes (the last slow requests scraped) after the clear.
-            scrape = duration_seconds(self.spec.prometheus.scrape_interval)
-            window = duration_seconds(self.spec.canary.window)
-            if self.sc.canary and not r.aborted and self._sleep(cleared + window + 2 * scrape - time.time()):
-                self._judge_canary(CANARY_AFTER)
+            for faults in self._rounds():
+                if not self._play(faults):
+                    break
             return self._finish()
         finally:
             self.traffic.stop()
@@ -465,7 +435,51 @@ class Demo:
             except (httpx.HTTPError, OSError):
                 pass
 
+    def _play(self, faults: list[Fault]) -> bool:
+        """One round: inject its faults, wait for their pages, clear them, wait for the
+        resolved notifications. False when the demo was stopped."""
+        r = self.result
+        # The error burst starts at a fixed place in its rule's window (error_burst_lead).
+        aligned = faults and faults[0].alertname == contract.ALERT_HIGH_ERROR_RATE
+        if aligned and not self._sleep(next_error_window_start(self.spec, time.time()) - time.time()):
+            return False
+        if r.faults_started_at is None:
+            r.faults_started_at = time.time()
+        self._set_phase(PHASE_FAULTS, f"injecting {', '.join(f.alertname for f in faults)}")
+        for i, f in enumerate(faults):
+            if i and not self._sleep(self.sc.stagger_s):
+                return False
+            self._inject(f)
+        active = [f for f in faults if not f.skipped]
+        last = max((f.injected_at or 0) + deadline_after(f.minimum_s) for f in active) if active else 0
+        self._wait_for(lambda: all(f.page_at is not None for f in active), last)
+        if r.aborted:
+            return False
+        canary = self.sc.canary and any(f.key == "latency-regression" for f in active)
+        if canary:
+            self._judge_canary(CANARY_DURING)
+        self._set_phase(PHASE_RECOVERY, "clearing the faults: each alert must resolve")
+        self._recover()
+        cleared = time.time()
+        for f in active:
+            f.cleared_at = cleared
+            self.reporter.event(f"cleared: {f.title}")
+        last = cleared + max((deadline_after(f.resolve_bound_s) for f in active), default=0)
+        fired = [f for f in active if f.page_at is not None]
+        self._wait_for(lambda: all(f.resolved_at is not None for f in fired), last)
+        # The verdict after recovery judges a window that holds no faulty request: it
+        # ends a whole window and two scrapes (the last slow requests scraped) after the clear.
+        scrape = duration_seconds(self.spec.prometheus.scrape_interval)
+        window = duration_seconds(self.spec.canary.window)
+        if canary and not r.aborted and self._sleep(cleared + window + 2 * scrape - time.time()):
+            self._judge_canary(CANARY_AFTER)
+        return not r.aborted
+
     # -- what this scenario does to the stack (the LLM scenario overrides these) -----------
+    def _rounds(self) -> list[list[Fault]]:
+        """The faults played together, round after round (the main demo: one round)."""
+        return [self.faults]
+
     def _make_traffic(self) -> Traffic:
         return Traffic(self.info, self.sc.rate, self.sc.mix)
 
@@ -475,6 +489,9 @@ class Demo:
     def _reset(self) -> None:
         clear_faults(self.info)
         simulate_gpu(self.info, {"fb_used_ratio": None})
+
+    def _prepare(self) -> None:
+        """Anything the servers need before the measured traffic starts."""
 
     def _recover(self) -> None:
         clear_faults(self.info)

@@ -44,6 +44,10 @@ def stack_config(args: argparse.Namespace) -> StackConfig:
     config.ports.update(overrides)
     if getattr(args, "gpu_backend", None):
         config.gpu_backend = args.gpu_backend
+    config.llm = bool(getattr(args, "llm", False))
+    config.kv_cache_gib = getattr(args, "kv_cache_gib", None)
+    if config.kv_cache_gib is not None and config.kv_cache_gib < 1:
+        raise CliError("--kv-cache-gib must be 1 or more (vLLM's CPU build counts whole GiB)", code=2)
     return config
 
 

@@ -27,9 +27,23 @@ def route_for(spec: FleetSpec, severity: str):
     }[severity]
 
 
+# LLM alerts whose rules hold the same ``for`` over the same window as a tiered alert
+# (alert_rules/groups/llm.py: the latency tier's window and for; llm_saturation.py: the
+# KV-cache gauge held the GPU tier's for), so they take that alert's exported timing.
+SAME_TIMING_AS = {
+    contract.ALERT_HIGH_TTFT: contract.ALERT_HIGH_P99_LATENCY,
+    contract.ALERT_HIGH_TPOT: contract.ALERT_HIGH_P99_LATENCY,
+    contract.ALERT_LLM_KV_CACHE_SATURATION: contract.ALERT_GPU_MEMORY_PRESSURE,
+}
+
+
 def rule_timing(spec: FleetSpec, alertname: str) -> AlertTiming:
     """The timing the alert's group exports for this spec (KeyError for an untimed alert)."""
-    return timings(RulesConfig.from_spec(spec))[alertname]
+    timed = timings(RulesConfig.from_spec(spec))
+    if alertname in SAME_TIMING_AS:
+        same = timed[SAME_TIMING_AS[alertname]]
+        return AlertTiming(alertname, same.condition_s, same.window_s)
+    return timed[alertname]
 
 
 def _error_window(spec: FleetSpec) -> float:
@@ -86,7 +100,7 @@ def next_error_window_start(spec: FleetSpec, now: float) -> float:
 
 def theoretical_minimum(spec: FleetSpec, alertname: str) -> float:
     """Condition time + one evaluation interval + the group wait of the alert's route."""
-    severity = contract.TIERED_ALERTS[alertname]
+    severity = contract.ALL_ALERTS[alertname]
     return (
         condition_seconds(spec, alertname)
         + duration_seconds(spec.prometheus.evaluation_interval)
@@ -99,7 +113,7 @@ def resolve_bound(spec: FleetSpec, alertname: str) -> float:
     the condition looks at (exported by the rule's group), an evaluation, and Alertmanager's
     group interval."""
     window = rule_timing(spec, alertname).window_s
-    severity = contract.TIERED_ALERTS[alertname]
+    severity = contract.ALL_ALERTS[alertname]
     return (
         window
         + duration_seconds(spec.prometheus.evaluation_interval)

@@ -48,6 +48,11 @@ def print_summary(stack) -> None:  # stack: inferwatch.stack.core.Stack
         f"send traffic:   inferwatch load --url {info.sidecar_http} --protocol http --rate 20 --duration 60 "
         "--model ranker:1 --model ranker:2"
     )
+    if info.llm:
+        console.print(
+            f"LLM streams:    inferwatch load --url {info.url('llm_sidecar_http')} --protocol openai "
+            "--rate 1 --duration 60 --model tiny-llm --model tiny-llm-canary"
+        )
     console.print(f"inject a fault: inferwatch fault set --state-dir {state} --model ranker --error-rate 0.5")
     console.print(f"see the pages:  {info.pager_url}/   alerts: {info.prometheus_url}/alerts")
     console.print("stop: Ctrl-C (or SIGTERM to this process) stops every component")
