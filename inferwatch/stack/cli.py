@@ -83,8 +83,10 @@ def register(sub: argparse._SubParsersAction) -> None:
             "with the demo spec): steady traffic, an error burst (critical page), a latency regression "
             "in the ranker canary (warning), GPU memory pressure (info), then recovery (resolved). Shows "
             "traffic, alert states and pages live, and ends with each fault's detection delay against "
-            "the theoretical minimum computed from the spec. Exits 1 if an expected page or resolved "
-            "notification did not arrive in time."
+            "the theoretical minimum computed from the spec, and the canary verdict (inferwatch canary) on "
+            "the ranker canary during its fault and after recovery. --scenario llm plays an LLM incident "
+            "instead (a stack with vLLM). Exits 1 if an expected page or resolved notification did not "
+            "arrive in time."
         ),
     )
     _add_stack_args(demo, DEMO_SPEC)

@@ -14,7 +14,9 @@ KV-cache saturation (LLMKVCacheSaturation, info) is planned and reported as skip
 CPU build reads its KV cache size in whole GiB (VLLM_CPU_KVCACHE_SPACE), and one GiB holds
 about 262,000 tokens of the tiny model (2 layers x 256 hidden x K and V x 4 bytes = 4 KiB a
 token), some 500 concurrent sequences of its 512-token maximum: far more than a 2-core
-machine runs in the demo's minutes. It needs a block count override on ``inferwatch vllm``.
+machine runs in the demo's minutes. vLLM's ``--num-gpu-blocks-override`` does shrink it on
+this build (16 blocks: 2,048 tokens, 4 sequences of 512, seen in its log and
+``vllm:cache_config_info``), but ``inferwatch vllm`` does not pass it through yet.
 """
 
 from __future__ import annotations
@@ -36,7 +38,8 @@ WARMUP_STREAMS = 4
 
 SATURATION_SKIPPED = (
     "vLLM's CPU build sizes its KV cache in whole GiB: 1 GiB holds ~262k tokens of the tiny "
-    "model, ~500 concurrent 512-token sequences, beyond this machine; needs a KV block override"
+    "model, ~500 concurrent 512-token sequences, beyond this machine; `inferwatch vllm` does not "
+    "yet pass --num-gpu-blocks-override"
 )
 
 
