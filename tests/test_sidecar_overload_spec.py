@@ -302,3 +302,19 @@ def test_model_labels_bound_the_gates() -> None:
     refusal = a.acquire("invented-2")  # shares the overflow label's bucket
     assert refusal is not None and refusal.reason == SHED_REQUESTS and "__other__" in refusal.message
     assert a.acquire("m") is None
+
+
+@pytest.mark.parametrize(
+    ("value", "expected"),
+    [
+        ({"threshold": 0}, "alerts.load_shedding.threshold: must be greater than 0"),
+        ({"threshold": 1}, "alerts.load_shedding.threshold: must be less than 1"),
+        ({"window": "0s"}, "alerts.load_shedding.window: must be a positive duration"),
+        ({"for": "soon"}, "alerts.load_shedding.for: 'soon' is not a duration"),
+        ({"treshold": 0.1}, "alerts.load_shedding.treshold: unknown key"),
+    ],
+)
+def test_bad_load_shedding_alert_settings(value: dict, expected: str) -> None:
+    with pytest.raises(SpecError) as excinfo:
+        parse_spec({"alerts": {"load_shedding": value}})
+    assert str(excinfo.value).startswith(f"fleet.yaml: {expected}"), str(excinfo.value)
