@@ -1,0 +1,318 @@
+"""Overload: one model at 1x, 2x and 3x its measured capacity, through the sidecar without and
+with per-model limits, side by side in one run.
+
+Starts a real Triton serving the reference ``ranker`` (version 1, dynamic batching up to 8,
+one instance) with an injected per-batch latency (``--extra-latency-ms``, default 40 ms: the
+model then sleeps instead of computing, so its capacity is set by the batch size and the sleep
+rather than by the shared CPU), and two ``inferwatch sidecar`` processes in front of it: one with
+a spec without limits, one whose spec limits ``ranker``. Then:
+
+1. capacity: closed loop, 32 concurrent requests through the sidecar without limits;
+   ``C`` = answers per second;
+2. the limits, from ``C`` and the SLA: a request bucket refilled at ``C``/s (burst ``C``/10),
+   concurrency 16 (two full batches in the server: one running, the next one forming), a queue
+   of 16 with a timeout of 40% of the SLA;
+3. open loop (Poisson arrivals, each request's latency counted from its scheduled time, so a
+   late sender does not hide a slow server) at 1x, 2x and 3x ``C``, each load against both
+   sidecars in turn, ``--repeat`` times interleaved.
+
+Reported per cell: goodput (200 answers within the SLA per second of the run), admitted P50 and
+P99 (latency of the 200 answers), shed answers (429), other failures. Usage:
+
+    .venv/bin/python benchmarks/overload.py [--duration 10] [--loads 1 2 3] [--repeat 2]
+        [--sla-ms 250] [--extra-latency-ms 40] [--json out.json]
+
+The sender is Python (aiohttp) on the same 2 shared cores as Triton and the sidecars: read the
+columns side by side, and the "late" column (arrivals sent more than 10 ms after their slot).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import random
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from inferwatch.net import free_port  # noqa: E402
+
+PATH = "/v2/models/ranker/versions/1/infer"
+CAPACITY_CONCURRENCY = 32
+MAX_OUTSTANDING = 4000  # the sender's own bound; arrivals past it are counted as skipped
+LATE_S = 0.010
+REQUEST_TIMEOUT_S = 30.0
+
+
+def body_bytes() -> bytes:
+    from reference_server.catalog import example_input
+
+    x = example_input("ranker", 1, seed=7)["FEATURES"]
+    body = {
+        "inputs": [
+            {
+                "name": "FEATURES",
+                "shape": list(x.shape),
+                "datatype": "FP32",
+                "data": [round(float(v), 4) for v in x.ravel()],
+            }
+        ]
+    }
+    return json.dumps(body).encode()
+
+
+def start_sidecar(work: Path, name: str, triton, spec: Path) -> tuple[subprocess.Popen, int]:
+    port, metrics = free_port(), free_port()
+    proc = subprocess.Popen(
+        [
+            str(ROOT / ".venv" / "bin" / "inferwatch"),
+            "sidecar",
+            "--upstream-http",
+            triton.http_url,
+            "--upstream-grpc",
+            triton.grpc_url,
+            "--host",
+            "127.0.0.1",
+            "--http-port",
+            str(port),
+            "--grpc-port",
+            str(free_port()),
+            "--metrics-port",
+            str(metrics),
+            "--spec",
+            str(spec),
+            "--request-timeout",
+            str(REQUEST_TIMEOUT_S),
+        ],
+        stdout=open(work / f"{name}.log", "wb"),
+        stderr=subprocess.STDOUT,
+    )
+    import httpx
+
+    deadline = time.monotonic() + 60
+    while True:
+        try:
+            if httpx.get(f"http://127.0.0.1:{metrics}/readyz", timeout=2).status_code == 200:
+                return proc, port
+        except httpx.HTTPError:
+            pass
+        if time.monotonic() > deadline or proc.poll() is not None:
+            raise RuntimeError(f"sidecar {name} did not become ready; see {work / name}.log")
+        time.sleep(0.2)
+
+
+async def _post(session, url: str, body: bytes) -> int:
+    async with session.post(url, data=body, headers={"content-type": "application/json"}) as resp:
+        await resp.read()
+        return resp.status
+
+
+async def closed_loop(port: int, body: bytes, seconds: float, concurrency: int) -> float:
+    import aiohttp
+
+    url = f"http://127.0.0.1:{port}{PATH}"
+    done = 0
+    stop = time.monotonic() + seconds
+
+    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as session:
+
+        async def worker() -> None:
+            nonlocal done
+            while time.monotonic() < stop:
+                if await _post(session, url, body) == 200:
+                    done += 1
+
+        t0 = time.monotonic()
+        await asyncio.gather(*(worker() for _ in range(concurrency)))
+        return done / (time.monotonic() - t0)
+
+
+async def open_loop(port: int, body: bytes, rate: float, seconds: float, seed: int) -> dict:
+    import aiohttp
+
+    url = f"http://127.0.0.1:{port}{PATH}"
+    rng = random.Random(seed)
+    results: list[tuple[int | str, float]] = []
+    late = skipped = 0
+    tasks: set[asyncio.Task] = set()
+    timeout = aiohttp.ClientTimeout(total=REQUEST_TIMEOUT_S)
+
+    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0), timeout=timeout) as session:
+
+        async def one(slot: float) -> None:
+            try:
+                status: int | str = await _post(session, url, body)
+            except Exception as exc:  # a failure is a result too
+                status = type(exc).__name__
+            results.append((status, time.monotonic() - slot))
+
+        start = time.monotonic()
+        slot = start
+        while True:
+            slot += rng.expovariate(rate)
+            if slot - start >= seconds:
+                break
+            delay = slot - time.monotonic()
+            if delay > 0:
+                await asyncio.sleep(delay)
+            elif -delay > LATE_S:
+                late += 1
+            if len(tasks) >= MAX_OUTSTANDING:
+                skipped += 1
+                continue
+            task = asyncio.create_task(one(slot))
+            tasks.add(task)
+            task.add_done_callback(tasks.discard)
+        if tasks:
+            await asyncio.wait(tasks)
+    return {"results": results, "late": late, "skipped": skipped, "seconds": seconds}
+
+
+def summarise(run: dict, sla_s: float) -> dict:
+    results = run["results"]
+    ok = sorted(lat for status, lat in results if status == 200)
+    shed = sum(1 for status, _ in results if status == 429)
+    failed = len(results) - len(ok) - shed
+    kinds: dict[str, int] = {}
+    for status, _ in results:
+        if status not in (200, 429):
+            kinds[str(status)] = kinds.get(str(status), 0) + 1
+
+    def pct(q: float) -> float:
+        return ok[min(len(ok) - 1, int(q * len(ok)))] * 1000 if ok else float("nan")
+
+    return {
+        "sent": len(results),
+        "ok": len(ok),
+        "shed": shed,
+        "failed": failed,
+        "failed_by_kind": kinds,
+        "goodput": sum(1 for lat in ok if lat <= sla_s) / run["seconds"],
+        "p50_ms": pct(0.50),
+        "p99_ms": pct(0.99),
+        "late": run["late"],
+        "skipped": run["skipped"],
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--duration", type=float, default=10.0, help="seconds per open-loop run")
+    ap.add_argument("--loads", type=float, nargs="+", default=[1.0, 2.0, 3.0], help="x the capacity")
+    ap.add_argument("--repeat", type=int, default=2)
+    ap.add_argument("--sla-ms", type=float, default=250.0, help="the SLA goodput is judged against")
+    ap.add_argument("--extra-latency-ms", type=float, default=40.0)
+    ap.add_argument("--json", type=Path)
+    args = ap.parse_args(argv)
+
+    import yaml
+
+    from reference_server import faults
+    from reference_server.launcher import TritonServer
+
+    work = Path(tempfile.mkdtemp(prefix="iw-overload-"))
+    body = body_bytes()
+    sla_s = args.sla_ms / 1000.0
+    triton = TritonServer(
+        http_port=free_port(),
+        grpc_port=free_port(),
+        metrics_port=free_port(),
+        state_dir_path=work / "triton",
+        extra_args=("--model-control-mode=explicit", "--load-model=ranker"),
+    )
+    procs: list[subprocess.Popen] = []
+    print("starting Triton ...", file=sys.stderr, flush=True)
+    triton.start()
+    try:
+        faults.set_fault("ranker", "1", extra_latency_ms=args.extra_latency_ms, state_dir=work / "triton")
+        model = {"name": "ranker", "latency_sla_ms": args.sla_ms}
+        plain = work / "plain.yaml"
+        plain.write_text(yaml.safe_dump({"models": [model]}))
+        no_limits, plain_port = start_sidecar(work, "sidecar-plain", triton, plain)
+        procs.append(no_limits)
+
+        print("measuring capacity ...", file=sys.stderr, flush=True)
+        asyncio.run(closed_loop(plain_port, body, 2.0, CAPACITY_CONCURRENCY))  # warm-up
+        capacity = asyncio.run(closed_loop(plain_port, body, 8.0, CAPACITY_CONCURRENCY))
+        limits = {
+            "requests": {"capacity": max(1, round(capacity / 10)), "fill_rate": round(capacity, 1)},
+            "concurrency": 16,
+            "queue": 16,
+            "queue_timeout_ms": round(0.4 * args.sla_ms, 1),
+        }
+        limited_spec = work / "limited.yaml"
+        limited_spec.write_text(yaml.safe_dump({"models": [{**model, "limits": limits}]}))
+        limited, limited_port = start_sidecar(work, "sidecar-limited", triton, limited_spec)
+        procs.append(limited)
+        print(f"capacity {capacity:.1f} req/s; limits {limits}", file=sys.stderr, flush=True)
+
+        targets = {"no limits": plain_port, "limits": limited_port}
+        cells: dict[str, dict[str, list[dict]]] = {}
+        for rep in range(args.repeat):
+            for load in args.loads:
+                for name, port in targets.items():
+                    rate = load * capacity
+                    print(
+                        f"[{rep + 1}/{args.repeat}] {load:g}x ({rate:.0f}/s) -> {name}",
+                        file=sys.stderr,
+                        flush=True,
+                    )
+                    run = asyncio.run(
+                        open_loop(port, body, rate, args.duration, seed=rep * 100 + int(load * 10))
+                    )
+                    cells.setdefault(f"{load:g}", {}).setdefault(name, []).append(summarise(run, sla_s))
+                    time.sleep(2.0)  # the server's queue drains between runs
+    finally:
+        for proc in procs:
+            proc.send_signal(signal.SIGTERM)
+        for proc in procs:
+            try:
+                proc.wait(30)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+        triton.stop()
+
+    report = {"capacity": capacity, "limits": limits, "sla_ms": args.sla_ms, "cells": cells}
+    if args.json:
+        args.json.write_text(json.dumps(report, indent=2))
+    print(
+        f"\ncapacity C = {capacity:.1f} req/s (closed loop, {CAPACITY_CONCURRENCY} concurrent); "
+        f"SLA {args.sla_ms:g} ms"
+    )
+    print(f"limits: {json.dumps(limits)}\n")
+    print(
+        "| load | sidecar | offered/s | goodput/s (x C) | admitted P50 ms | admitted P99 ms "
+        "| 200 | 429 | failed | late |"
+    )
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+    failures: dict[str, int] = {}
+    for load, by_target in cells.items():
+        for name, runs in by_target.items():
+            for r in runs:
+                for kind, n in r["failed_by_kind"].items():
+                    failures[f"{load}x {name}: {kind}"] = failures.get(f"{load}x {name}: {kind}", 0) + n
+
+            def med(key: str, runs: list[dict] = runs) -> float:
+                return statistics.median(r[key] for r in runs)
+
+            goodputs = ", ".join(f"{r['goodput']:.0f}" for r in runs)
+            print(
+                f"| {load}x | {name} | {float(load) * capacity:.0f} | {med('goodput'):.0f} [{goodputs}] "
+                f"({med('goodput') / capacity:.2f}) | {med('p50_ms'):.0f} | {med('p99_ms'):.0f} | "
+                f"{med('ok'):.0f} | {med('shed'):.0f} | {med('failed'):.0f} | {med('late'):.0f} |"
+            )
+    if failures:
+        print("\nfailures (all runs): " + ", ".join(f"{k} x{v}" for k, v in failures.items()))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
