@@ -36,7 +36,7 @@ def vllm(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, subpro
     port = free_port()
     log = tmp_path_factory.mktemp("vllm") / "vllm.log"
     proc = subprocess.Popen(
-        [CLI, "vllm", "--port", str(port), "--log-file", str(log)],
+        [CLI, "vllm", "--port", str(port), "--log-file", str(log), "--kv-cache-blocks", "128"],
         stdout=subprocess.DEVNULL,
         stderr=subprocess.PIPE,
         start_new_session=True,
@@ -120,6 +120,15 @@ def test_a_stream_has_one_event_per_token_and_vllm_counts_them(vllm) -> None:
     assert _vllm_metric(after, "vllm:time_to_first_token_seconds_count") >= 1
 
 
+def test_the_kv_cache_is_capped_in_blocks(vllm) -> None:
+    """--kv-cache-blocks reaches vLLM: a small cache is how saturation incidents are provoked."""
+    url, _, _ = vllm
+    info = [
+        ln for ln in httpx.get(f"{url}/metrics").text.splitlines() if ln.startswith("vllm:cache_config_info{")
+    ]
+    assert info and 'num_gpu_blocks="128"' in info[0], info
+
+
 def test_a_busy_port_and_a_missing_environment_are_one_line_errors(vllm, tmp_path: Path) -> None:
     url, _, _ = vllm
     busy = url.rsplit(":", 1)[1]
@@ -136,6 +145,8 @@ def test_a_busy_port_and_a_missing_environment_are_one_line_errors(vllm, tmp_pat
     assert "scripts/bootstrap" in out.stderr and "Traceback" not in out.stderr
     out = subprocess.run([CLI, "vllm", "--kv-cache-gib", "0"], capture_output=True, text=True, timeout=60)
     assert out.returncode == 2 and "--kv-cache-gib" in out.stderr
+    out = subprocess.run([CLI, "vllm", "--kv-cache-blocks", "0"], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 2 and "--kv-cache-blocks" in out.stderr
 
 
 def _group_alive(pgid: int) -> bool:

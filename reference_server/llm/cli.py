@@ -43,6 +43,13 @@ def register(sub: argparse._SubParsersAction) -> None:
         default=DEFAULT_KV_CACHE_GIB,
         help="KV cache in GiB (VLLM_CPU_KVCACHE_SPACE); small provokes saturation (default: %(default)s)",
     )
+    p.add_argument(
+        "--kv-cache-blocks",
+        type=int,
+        default=None,
+        help="cap the KV cache at N blocks of 16 tokens (vLLM's --num-gpu-blocks-override); 128 blocks "
+        "hold four 512-token sequences, which saturates it on purpose (default: no cap)",
+    )
     p.add_argument("--log-file", default=None, help="vLLM's log (default: STATE_DIR/vllm/vllm.log)")
     p.add_argument(
         "--python", default=None, help="vLLM's Python (default: $INFERWATCH_VLLM_PYTHON, then .venv-vllm)"
@@ -69,6 +76,8 @@ def _vllm(args: argparse.Namespace) -> int:
         raise CliError("--port must be a port number (1-65535)", 2)
     if not args.kv_cache_gib > 0:
         raise CliError("--kv-cache-gib must be greater than 0", 2)
+    if args.kv_cache_blocks is not None and args.kv_cache_blocks < 1:
+        raise CliError("--kv-cache-blocks must be 1 or more", 2)
     if not args.ready_timeout > 0:
         raise CliError("--ready-timeout must be greater than 0", 2)
     names = tuple(args.served_name or SERVED_NAMES)
@@ -80,6 +89,7 @@ def _vllm(args: argparse.Namespace) -> int:
         host=args.host,
         port=args.port,
         kv_cache_gib=args.kv_cache_gib,
+        kv_cache_blocks=args.kv_cache_blocks,
         log_file=args.log_file or state_dir() / "vllm" / "vllm.log",
         python=args.python,
         ready_timeout=args.ready_timeout,

@@ -7,8 +7,11 @@ and in ``scripts/bootstrap``:
 
 - the wheel's ``vllm`` console script asks for the distribution ``vllm`` and fails, so the
   server is started as ``python -m vllm.entrypoints.openai.api_server``;
-- ``VLLM_CPU_KVCACHE_SPACE`` (GiB) is set small, which also makes KV-cache saturation easy to
-  provoke; ``--max-model-len 512`` and float32 keep the model within it;
+- ``VLLM_CPU_KVCACHE_SPACE`` (GiB) is set small; the CPU build reads it as a whole number of
+  GiB, and 1 GiB holds about 262,000 tokens of the tiny model, far more than 2 cores can keep
+  busy. To provoke KV-cache saturation, ``kv_cache_blocks`` caps the cache in blocks of 16
+  tokens (vLLM's ``--num-gpu-blocks-override``, which this build honours: 128 blocks hold four
+  512-token sequences); ``--max-model-len 512`` and float32 keep the model within it;
 - the server needs 35 to 50 s to be ready (three processes: API server, engine core, worker),
   so the readiness wait is long and watches the process, not just the port.
 """
@@ -76,6 +79,7 @@ class VllmServer:
         port: int = DEFAULT_PORT,
         kv_cache_gib: float = DEFAULT_KV_CACHE_GIB,
         max_model_len: int = DEFAULT_MAX_MODEL_LEN,
+        kv_cache_blocks: int | None = None,
         log_file: str | os.PathLike | None = None,
         python: str | os.PathLike | None = None,
         ready_timeout: float = 240.0,
@@ -86,6 +90,7 @@ class VllmServer:
         self.host, self.port = host, port
         self.kv_cache_gib = kv_cache_gib
         self.max_model_len = max_model_len
+        self.kv_cache_blocks = kv_cache_blocks
         self.log_path = Path(log_file) if log_file else None
         self.python = python
         self.ready_timeout = ready_timeout
@@ -113,6 +118,7 @@ class VllmServer:
             str(self.max_model_len),
             "--dtype",
             "float32",
+            *(["--num-gpu-blocks-override", str(self.kv_cache_blocks)] if self.kv_cache_blocks else []),
             *self.extra_args,
         ]
 
