@@ -25,6 +25,10 @@ import yaml
 from inferwatch import contract
 from reference_server.catalog import example_input
 from tests.fixtures.sidecar import launch_sidecar
+from tests.test_sidecar_grpc import TRACEPARENT, InProcessProxy, infer_inputs, served_models, wait_for
+from tests.test_sidecar_grpc import (
+    loop as loop,  # the module's event-loop thread fixture
+)
 
 REQUESTS = contract.REQUESTS_TOTAL.name
 SHED = contract.REQUESTS_SHED.name
@@ -308,3 +312,62 @@ def wait_for_log(sc, text: str, count: int, timeout: float = 15.0) -> None:
     while sc.log().count(text) < count:
         assert time.monotonic() < deadline, f"no {text!r} in the sidecar's log:\n{sc.log()[-2000:]}"
         time.sleep(0.05)
+
+
+# --------------------------------------------------------------------------- relay with tracing
+
+
+def test_relay_with_tracing_holds_for_the_model_and_traces_admitted_and_shed_calls(loop, triton) -> None:
+    """The relay's two reasons to hold a header block at once: tracing and per-model limits. An
+    admitted call carries the proxy's span context upstream (its span is a child of the
+    client's); a shed call's span ends RESOURCE_EXHAUSTED; the split is exact."""
+    from opentelemetry.sdk.trace import TracerProvider
+    from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+    from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+    from inferwatch.spec import parse_spec
+    from sidecar.admission import Admission
+
+    spec = parse_spec(
+        {
+            "models": [
+                {
+                    "name": "ranker",
+                    "latency_sla_ms": 100,
+                    "limits": {"requests": {"capacity": 3, "fill_rate": 0.01}},
+                }
+            ]
+        }
+    )
+    exporter = InMemorySpanExporter()
+    provider = TracerProvider()
+    provider.add_span_processor(SimpleSpanProcessor(exporter))
+    p = InProcessProxy(loop, "relay", triton.grpc_url, tracer=provider.get_tracer("test"))
+    p.proxy.admission = Admission(0, spec.limits_for, p.telemetry.model_label, p.registry)
+    p.serve_models(served_models(triton.grpc_url))
+    try:
+        client = tgrpc.InferenceServerClient(p.url)
+        assert client.is_server_live()
+        time.sleep(0.2)  # the served models reach the telemetry's catalog
+        exporter.clear()
+        codes = []
+        for _ in range(6):
+            try:
+                client.infer(
+                    "ranker", infer_inputs("ranker"), model_version="1", headers={"traceparent": TRACEPARENT}
+                )
+                codes.append("OK")
+            except Exception as exc:
+                codes.append(str(exc.status()))  # type: ignore[attr-defined]
+        client.close()
+        spans = wait_for(lambda: (s := exporter.get_finished_spans()) and len(s) >= 6 and s, what="six spans")
+    finally:
+        p.close()
+        provider.shutdown()
+
+    assert codes == ["OK"] * 3 + ["StatusCode.RESOURCE_EXHAUSTED"] * 3
+    statuses = [s.attributes["rpc.grpc.status_code"] for s in spans]
+    assert statuses == [0] * 3 + [8] * 3  # 8: RESOURCE_EXHAUSTED
+    assert all(format(s.context.trace_id, "032x") == TRACEPARENT.split("-")[1] for s in spans)
+    assert p.count("ranker", "RESOURCE_EXHAUSTED", "server_error", "1") == 3
+    assert p.registry.get_sample_value(SHED, {"model": "ranker", "reason": "requests"}) == 3
