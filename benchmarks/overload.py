@@ -20,7 +20,7 @@ Reported per cell: goodput (200 answers within the SLA per second of the run), a
 P99 (latency of the 200 answers), shed answers (429), other failures. Usage:
 
     .venv/bin/python benchmarks/overload.py [--duration 10] [--loads 1 2 3] [--repeat 2]
-        [--sla-ms 250] [--extra-latency-ms 40] [--json out.json]
+        [--sla-ms 250] [--extra-latency-ms 40] [--json out.json] [--admission-only]
 
 The sender is Python (aiohttp) on the same 2 shared cores as Triton and the sidecars: read the
 columns side by side, and the "late" column (arrivals sent more than 10 ms after their slot).
@@ -203,6 +203,32 @@ def summarise(run: dict, sla_s: float) -> dict:
     }
 
 
+def admission_cost() -> dict[str, float]:
+    """CPU per admitted request of ``Admission`` itself (acquire + release, microseconds, best
+    of 5), without limits and with a request bucket and a concurrency cap that never refuse."""
+    import timeit
+
+    from prometheus_client import CollectorRegistry
+
+    from inferwatch.spec import parse_spec
+    from sidecar.admission import Admission
+
+    limits = {"requests": {"capacity": 10**9, "fill_rate": 10**9}, "concurrency": 10**6, "queue": 10}
+    spec = parse_spec({"models": [{"name": "ranker", "latency_sla_ms": 100, "limits": limits}]})
+    out = {}
+    for name, adm in (
+        ("no limits", Admission(1024)),
+        ("limits", Admission(1024, spec.limits_for, lambda m: m, CollectorRegistry())),
+    ):
+
+        def one(adm: Admission = adm) -> None:
+            adm.acquire("ranker")
+            adm.release("ranker")
+
+        out[name] = min(timeit.repeat(one, number=200_000, repeat=5)) / 200_000 * 1e6
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--duration", type=float, default=10.0, help="seconds per open-loop run")
@@ -211,7 +237,16 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--sla-ms", type=float, default=250.0, help="the SLA goodput is judged against")
     ap.add_argument("--extra-latency-ms", type=float, default=40.0)
     ap.add_argument("--json", type=Path)
+    ap.add_argument("--admission-only", action="store_true", help="only the in-process cost of admission")
     args = ap.parse_args(argv)
+    cost = admission_cost()
+    print(
+        "admission, acquire + release per request: "
+        + ", ".join(f"{name} {us:.2f} us" for name, us in cost.items()),
+        flush=True,
+    )
+    if args.admission_only:
+        return 0
 
     import yaml
 
