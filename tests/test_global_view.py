@@ -172,7 +172,10 @@ def _paged(answers: dict) -> bool:
 
 
 def _empty(answers: dict) -> list[str]:
-    return [name for name, series in answers.items() if not series]
+    # "Latency: $model" repeats for the overflow value too, which has no latency histogram
+    # in the sidecar: no quantiles there (A and B), only the SLA lines.
+    no_data = {f"Latency: {c.MODEL_OVERFLOW} [A]", f"Latency: {c.MODEL_OVERFLOW} [B]"}
+    return [name for name, series in answers.items() if not series and name not in no_data]
 
 
 def test_fleet_overview_answers_the_same_on_the_global_store(pair: Pair) -> None:
@@ -214,6 +217,6 @@ def test_fleet_overview_answers_the_same_on_the_global_store(pair: Pair) -> None
 
     label, value = next(iter(pair.external.items()))
     assert count(pair.global_, f'{c.REC_REQUEST_RATE}{{{label}="{value}"}}') > 0
-    assert count(pair.local, f'{{__name__="{c.REQUEST_DURATION.name}_bucket"}}') > 1000
+    assert count(pair.local, f'{{__name__="{c.REQUEST_DURATION.name}_bucket"}}') > 300  # 6 pods x 54
     assert count(pair.global_, f'{{__name__="{c.REQUEST_DURATION.name}_bucket"}}') == 0
     assert count(pair.global_, '{__name__=~".+"}') < count(pair.local, '{__name__=~".+"}') / 4
