@@ -88,7 +88,9 @@ REQUEST_DURATION = Metric(
     "inferwatch_request_duration_seconds",
     "histogram",
     "Time from the request's first byte to the response's last byte, as the sidecar saw it.",
-    (L_MODEL, L_VERSION, L_PROTOCOL, L_OUTCOME),
+    # No protocol label: no rule, panel or canary query splits latency by it, and it would
+    # double the histogram, most of a model version's series (deploy/SCALING.md).
+    (L_MODEL, L_VERSION, L_OUTCOME),
     unit="seconds",
 )
 REQUESTS_IN_FLIGHT = Metric(
@@ -133,25 +135,26 @@ UPSTREAM_UP = Metric(
 
 # Generative (LLM) serving, DESIGN.md "Generative (LLM) serving". The TTFT and TPOT
 # histograms have a bucket at each model's SLA and 2x it (inferwatch.spec.token_latency_buckets).
+# Like the request histogram, they have no protocol label (the series budget).
 TIME_TO_FIRST_TOKEN = Metric(
     "inferwatch_time_to_first_token_seconds",
     "histogram",
     "Time from the request's first byte to the first event carrying generated content.",
-    (L_MODEL, L_VERSION, L_PROTOCOL),
+    (L_MODEL, L_VERSION),
     unit="seconds",
 )
 TIME_PER_OUTPUT_TOKEN = Metric(
     "inferwatch_time_per_output_token_seconds",
     "histogram",
     "Per request: (last token - first token) / (output tokens - 1).",
-    (L_MODEL, L_VERSION, L_PROTOCOL),
+    (L_MODEL, L_VERSION),
     unit="seconds",
 )
 INTER_TOKEN_LATENCY = Metric(
     "inferwatch_inter_token_latency_seconds",
     "histogram",
     "Each gap between two events carrying generated content.",
-    (L_MODEL, L_VERSION, L_PROTOCOL),
+    (L_MODEL, L_VERSION),
     unit="seconds",
 )
 TOKENS_TOTAL = Metric(

@@ -50,10 +50,11 @@ class _LLMSeries:
     __slots__ = ("generation", "itl", "prompt", "tpot", "ttft")
 
     def __init__(self, st: StreamTelemetry, s: _Series) -> None:
+        # The histograms are per (model, version): no protocol label (the series budget).
+        self.ttft = st.ttft.labels(s.model, s.version)
+        self.tpot = st.tpot.labels(s.model, s.version)
+        self.itl = st.itl.labels(s.model, s.version)
         labels = (s.model, s.version, s.protocol)
-        self.ttft = st.ttft.labels(*labels)
-        self.tpot = st.tpot.labels(*labels)
-        self.itl = st.itl.labels(*labels)
         self.prompt = st.tokens.labels(*labels, contract.TOKEN_PROMPT)
         self.generation = st.tokens.labels(*labels, contract.TOKEN_GENERATION)
 

@@ -38,8 +38,11 @@ one ``Telemetry``; everything a request costs is two calls::
 
 Histogram buckets are a fixed ladder plus every configured SLA, 2x it and the latency
 alert's factor x it (and the same for the spec's default), so "slower than the SLA" is
-an exact bucket boundary. The SLA gauge is set at construction for each configured
-model and when a served model is first admitted.
+an exact bucket boundary. The series budget (deploy/SCALING.md): the latency histogram has
+no protocol label, its outcome children appear when that outcome first occurs, and
+requests naming no model or an unknown one (``MODEL_NONE``, ``MODEL_OVERFLOW``) are only
+counted, never timed, so a pod's fixed series stay a few dozen. The SLA gauge is set at
+construction for each configured model and when a served model is first admitted.
 
 Nothing here sees a payload: labels come from model/version names only.
 """
@@ -97,6 +100,8 @@ GRPC_CODES = {
     "UNAUTHENTICATED": 16,
 }
 _OK, _CLIENT, _SERVER = contract.OUTCOME_SUCCESS, contract.OUTCOME_CLIENT_ERROR, contract.OUTCOME_SERVER_ERROR
+# Label values counted but not timed: requests naming no model, or one outside the labels.
+_UNTIMED = frozenset({contract.MODEL_NONE, contract.MODEL_OVERFLOW})
 # Built once: status -> outcome for every HTTP status.
 _HTTP_OUTCOMES = tuple(_SERVER if s >= 500 or s == 429 else _CLIENT if s >= 400 else _OK for s in range(1000))
 
@@ -141,7 +146,8 @@ class _Series:
         self.version = version
         self.protocol = protocol
         self.in_flight = tel.in_flight.labels(model)
-        self.durations = {o: tel.duration.labels(model, version, protocol, o) for o in contract.OUTCOMES}
+        # outcome -> histogram child, made on first use; None: this label pair is not timed.
+        self.durations: dict[str, Any] | None = None if model in _UNTIMED else {}
         self.bytes_in = tel.req_bytes.labels(model, protocol)
         self.bytes_out = tel.resp_bytes.labels(model, protocol)
         # (code, outcome) -> counter child, filled as codes appear (bounded: codes are few).
@@ -320,14 +326,22 @@ class Telemetry:
         if resp_bytes:
             s.bytes_out.inc(resp_bytes)
         span = req.span
+        durations = s.durations
+        hist = None
+        if durations is not None:
+            hist = durations.get(outcome)
+            if hist is None:
+                hist = durations[outcome] = self.duration.labels(s.model, s.version, outcome)
         if span is None:
-            s.durations[outcome].observe(elapsed)
+            if hist is not None:
+                hist.observe(elapsed)
             return
-        ctx = span.get_span_context()
-        if ctx.trace_flags.sampled:
-            s.durations[outcome].observe(elapsed, {"trace_id": format(ctx.trace_id, "032x")})
-        else:
-            s.durations[outcome].observe(elapsed)
+        if hist is not None:
+            ctx = span.get_span_context()
+            if ctx.trace_flags.sampled:
+                hist.observe(elapsed, {"trace_id": format(ctx.trace_id, "032x")})
+            else:
+                hist.observe(elapsed)
         self._end_span(span, s, code, outcome)
 
     def _proven(self, req: Request, s: _Series) -> _Series:

@@ -267,3 +267,76 @@ def test_cli_port_in_use_is_one_line() -> None:
     errors = [line for line in proc.stderr.splitlines() if line.startswith("inferwatch: error:")]
     assert proc.returncode == 1
     assert len(errors) == 1 and str(port) in errors[0] and "in use" in errors[0], proc.stderr
+
+
+# Every code the proxies pass on or produce themselves, on both protocols: the series budget
+# holds whatever outcomes occur (deploy/SCALING.md, issue 17).
+HTTP_CODES = ("200", "400", "404", "413", "429", "500", "502", "503", "504")
+GRPC_CODES = ("OK", "INVALID_ARGUMENT", "NOT_FOUND", "INTERNAL", "UNAVAILABLE", "DEADLINE_EXCEEDED")
+
+
+# What requests naming no model (health, repository index, metadata) and unknown models (a
+# success would prove the name: it then counts as a model of its own) are answered.
+NO_MODEL_CODES = (("200", "400", "404", "503"), ("OK", "NOT_FOUND", "UNAVAILABLE"))
+UNKNOWN_CODES = (("400", "404", "502"), ("INVALID_ARGUMENT", "NOT_FOUND", "UNAVAILABLE"))
+
+
+def _every_outcome(
+    tel: Telemetry, model: str, version: str, codes: tuple[tuple[str, ...], ...] = (HTTP_CODES, GRPC_CODES)
+) -> None:
+    for protocol, proto_codes, outcome_of in (
+        (contract.PROTOCOL_HTTP, codes[0], lambda code: outcome_for_http(int(code))),
+        (contract.PROTOCOL_GRPC, codes[1], outcome_for_grpc),
+    ):
+        for code in proto_codes:
+            tel.end(tel.begin(model, version, protocol), code, outcome_of(code), 10, 20)
+
+
+def _series_of(reg: CollectorRegistry, model: str) -> int:
+    """Samples labelled with ``model`` (``*_created`` left out: the sidecar turns them off)."""
+    return sum(
+        1
+        for fam in reg.collect()
+        for s in fam.samples
+        if s.labels.get("model") == model and not s.name.endswith("_created")
+    )
+
+
+def test_series_budget_per_model_version_and_per_pod() -> None:
+    from sidecar.llm import StreamTelemetry
+
+    reg = CollectorRegistry()
+    config = make_config("--spec", FLEET)
+    tel = Telemetry(reg, config)
+    llm = StreamTelemetry(reg, config, tel, lambda _chunk: None)
+    tel.update_models({"dense_batched": ["1"], "tiny-llm": ["1"]})
+    _every_outcome(tel, "dense_batched", "1")
+    # An LLM version: every outcome, and token timings on both protocols.
+    _every_outcome(tel, "tiny-llm", "1")
+    for protocol in (contract.PROTOCOL_HTTP, contract.PROTOCOL_GRPC):
+        s = llm.series(tel.begin("tiny-llm", "1", protocol).series)
+        s.ttft.observe(0.1)
+        s.tpot.observe(0.01)
+        s.itl.observe(0.01)
+        s.prompt.inc(5)
+        s.generation.inc(7)
+    # Requests naming no model and unknown models, as they are answered.
+    tel.set_upstream_up("http", True)
+    tel.set_upstream_up("grpc", True)
+    _every_outcome(tel, "", "", NO_MODEL_CODES)
+    _every_outcome(tel, "no_such_model", "", UNKNOWN_CODES)
+    per_version = _series_of(reg, "dense_batched")
+    per_llm_version = _series_of(reg, "tiny-llm")
+    fixed = sum(_series_of(reg, m) for m in (contract.MODEL_NONE, contract.MODEL_OVERFLOW))
+    fixed += sum(1 for fam in reg.collect() for s in fam.samples if "model" not in s.labels)
+    assert per_version <= 120, per_version
+    assert per_llm_version <= 180, per_llm_version
+    assert fixed <= 30, fixed
+    # The latency histogram still has every outcome for a model, with a bucket at each SLA
+    # and 2x it; it is not split by protocol.
+    bucket = contract.REQUEST_DURATION.name + "_bucket"
+    for outcome in contract.OUTCOMES:
+        labels = {"model": "dense_batched", "version": "1", "outcome": outcome}
+        assert sample(reg, bucket, {**labels, "le": "0.25"}) is not None
+        assert sample(reg, bucket, {**labels, "le": "0.5"}) is not None
+    assert sample(reg, contract.REQUEST_DURATION.name + "_count", {**labels}) == 8  # 5 HTTP 5xx/429 + 3 gRPC
