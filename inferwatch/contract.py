@@ -466,6 +466,15 @@ VLLM_REQUEST_SUCCESS = _vllm(
     "Count of successfully processed requests.",
     extra=(L_VLLM_FINISHED_REASON,),
 )
+# vLLM's cache configuration as labels of a constant 1 (num_gpu_blocks: the KV cache's size in
+# blocks, which `inferwatch vllm --kv-cache-blocks` caps). Labelled by engine, not model_name.
+VLLM_CACHE_CONFIG = Metric(
+    "vllm:cache_config_info",
+    "gauge",
+    "Information of the LLMEngine CacheConfig.",
+    (L_VLLM_ENGINE, "block_size", "num_gpu_blocks"),
+    source="vllm",
+)
 VLLM_METRICS = (
     VLLM_KV_CACHE_USAGE,
     VLLM_REQUESTS_WAITING,
@@ -476,6 +485,7 @@ VLLM_METRICS = (
     VLLM_PROMPT_TOKENS,
     VLLM_GENERATION_TOKENS,
     VLLM_REQUEST_SUCCESS,
+    VLLM_CACHE_CONFIG,
 )
 
 # Series Prometheus itself produces.

@@ -15,8 +15,10 @@ CPU build reads its KV cache size in whole GiB (VLLM_CPU_KVCACHE_SPACE), and one
 about 262,000 tokens of the tiny model (2 layers x 256 hidden x K and V x 4 bytes = 4 KiB a
 token), some 500 concurrent sequences of its 512-token maximum: far more than a 2-core
 machine runs in the demo's minutes. vLLM's ``--num-gpu-blocks-override`` does shrink it on
-this build (16 blocks: 2,048 tokens, 4 sequences of 512, seen in its log and
-``vllm:cache_config_info``), but ``inferwatch vllm`` does not pass it through yet.
+this build (16 blocks: 2,048 tokens, 4 sequences of 512, seen in its log and its cache-config
+info metric), and ``inferwatch vllm --kv-cache-blocks N`` now passes it through; a saturation
+round still needs writing (and must keep tiny-llm's TTFT budget page, a critical, from
+inhibiting the info page).
 """
 
 from __future__ import annotations
