@@ -1,7 +1,10 @@
 """Defaults shared by the reference server's commands, importable without numpy or FastAPI."""
 
-# The naive baseline server's port (not part of the stack's port map in DESIGN.md).
-NAIVE_SERVER_PORT = 8020
+from inferwatch.contract import PORTS
+
+# The naive baseline server's port: not part of the stack's port map, and clear of it (8020 is
+# the LLM sidecar's).
+NAIVE_SERVER_PORT = 8030
 
 # How long the Triton launcher waits for every reference model to be ready.
 TRITON_READY_TIMEOUT = 180.0
@@ -11,5 +14,5 @@ KSERVE_PROTOCOLS = ("http", "grpc")
 STREAM_PROTOCOLS = ("openai", "triton-generate")
 LOAD_PROTOCOLS = (*KSERVE_PROTOCOLS, *STREAM_PROTOCOLS)
 
-# The LLM reference server's port (inferwatch vllm; llm/vllm_server.py DEFAULT_PORT, tested).
-VLLM_PORT = 8100
+# The LLM reference server's port (inferwatch vllm).
+VLLM_PORT = PORTS["vllm"]

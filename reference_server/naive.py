@@ -5,7 +5,7 @@ It speaks the KServe v2 HTTP protocol (JSON tensors and Triton's binary-data ext
 runs inline on the event loop: requests are served strictly one after another, with no
 batching, as the "plain web server" the source material measures Triton against.
 
-Run: ``inferwatch naive-server [--port 8020]`` or ``python -m reference_server.naive``.
+Run: ``inferwatch naive-server [--port 8030]`` or ``python -m reference_server.naive``.
 """
 
 from __future__ import annotations

@@ -27,6 +27,7 @@ from types import TracebackType
 
 import httpx
 
+from inferwatch.contract import PORTS
 from inferwatch.process import die_with_parent
 from reference_server.launcher import LauncherError, port_in_use
 
@@ -40,7 +41,7 @@ MODEL_MARKER = "inferwatch-tiny-model.json"
 # The reference model's served names: the stable model and a canary name for the same weights,
 # mapped to (model, version) by the fleet spec like any other served name.
 SERVED_NAMES = ("tiny-llm", "tiny-llm-canary")
-DEFAULT_PORT = 8100
+DEFAULT_PORT = PORTS["vllm"]
 DEFAULT_KV_CACHE_GIB = 1
 DEFAULT_MAX_MODEL_LEN = 512
 
