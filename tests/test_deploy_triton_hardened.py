@@ -42,6 +42,21 @@ def _closed_ancestor(path: Path) -> Path | None:
     return None
 
 
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def keep_visible(path: Path, writable: list[str], keep: Path) -> tuple[list[str], list[str]]:
+    """Shell steps that keep ``path`` (the checkout, which may itself live under /tmp) readable
+    once fresh tmpfs cover the writable mount points: bind it aside before, bind it back
+    read-only after. Nothing when ``path`` is under none of them."""
+    if not any(path == Path(w) or Path(w) in path.parents for w in writable):
+        return [], []
+    keep.mkdir()
+    before = [f"mount --bind {path} {keep}"]
+    after = [f"mkdir -p {path}", f"mount --bind {keep} {path}", f"mount -o remount,bind,ro {path}"]
+    return before, after
+
+
 @pytest.fixture()
 def outside_tmp() -> Path:
     """A folder the tmpfs on /tmp does not hide and any user can traverse."""
@@ -84,10 +99,14 @@ def test_triton_serves_the_reference_models_as_the_manifest_says(outside_tmp: Pa
             f"mkdir {closed / inner}",
             f"mount --bind {keep} {closed / inner}",
         ]
+    # A checkout under /tmp (CI may clone anywhere) would vanish under the tmpfs below.
+    before, after = keep_visible(ROOT, writable, tmp_path / "checkout")
     steps += [
+        *before,
         "for m in $(awk '{print $2}' /proc/self/mounts | sort -u); do"
         ' mount -o remount,bind,ro "$m" 2>/dev/null || true; done',
         *[f"mount -t tmpfs -o size=512m tmpfs {path}" for path in writable],
+        *after,
         "if touch /probe-rw 2>/dev/null; then echo ROOT-WRITABLE; exit 99; fi",
         f"exec setpriv --reuid {uid} --regid {gid} --clear-groups --inh-caps=-all --bounding-set=-all -- "
         + " ".join(shlex.quote(c) for c in server.command(binary, backends)),

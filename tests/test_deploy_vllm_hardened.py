@@ -22,7 +22,12 @@ import httpx
 from inferwatch.net import free_port
 from reference_server.llm.vllm_server import DEFAULT_MODEL_DIR, VllmServer, check_model, find_python
 from tests.fixtures.deploy import K8S, kustomize_build
-from tests.test_deploy_triton_hardened import _closed_ancestor, outside_tmp  # noqa: F401 (fixture)
+from tests.test_deploy_triton_hardened import (  # noqa: F401 (outside_tmp is a fixture)
+    ROOT,
+    _closed_ancestor,
+    keep_visible,
+    outside_tmp,
+)
 
 
 def _vllm(docs: list[dict]) -> tuple[dict, dict]:
@@ -78,10 +83,14 @@ def test_vllm_serves_and_streams_as_the_manifest_says(outside_tmp: Path) -> None
     # this namespace (which turns read-only with the rest below).
     parent = Path(home).parent
     steps += [f"mount -t tmpfs -o mode=755 tmpfs {parent}", f"mkdir {home}"]
+    # A checkout under /tmp (CI may clone anywhere) would vanish under the tmpfs below.
+    before, after = keep_visible(ROOT, writable, outside_tmp / "checkout")
     steps += [
+        *before,
         "for m in $(awk '{print $2}' /proc/self/mounts | sort -u); do"
         ' mount -o remount,bind,ro "$m" 2>/dev/null || true; done',
         *[f"mount -t tmpfs -o size=2g,mode=1777 tmpfs {path}" for path in writable],
+        *after,
         "if touch /probe-rw 2>/dev/null; then echo ROOT-WRITABLE; exit 99; fi",
         f"exec setpriv --reuid {uid} --regid {gid} --clear-groups --inh-caps=-all --bounding-set=-all -- "
         + " ".join(shlex.quote(c) for c in server.command(python)),
