@@ -8,6 +8,7 @@ One vLLM start (35 to 120 s, about 3 GB) serves the whole module; the last test 
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -272,14 +273,69 @@ def _sse_request(path: str, body: dict) -> bytes:
     ).encode() + payload
 
 
-def test_a_client_that_leaves_mid_stream_is_499_with_the_tokens_it_got(sidecar: SidecarInfo) -> None:
-    before = _scrape(sidecar.metrics_url)
+def _vllm_groups(launcher: subprocess.Popen) -> list[int]:
+    """The process groups of vLLM itself (API server, engine, worker: one group of their own,
+    started by the launcher)."""
+    groups = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[1]) == launcher.pid:  # ppid
+            groups.append(int(fields[2]))  # pgrp
+    assert groups, "vLLM's processes not found under the launcher"
+    return groups
+
+
+def _signal_groups(groups: list[int], sig: signal.Signals) -> None:
+    for group in groups:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(group, sig)
+
+
+@contextlib.contextmanager
+def _stream_cut_by_a_freeze(
+    vllm: Upstream, sidecar: SidecarInfo, tokens: int
+) -> Iterator[tuple[socket.socket, bytes, dict]]:
+    """A 400-token chat stream through the sidecar, read until ``tokens`` content events, then vLLM
+    frozen (SIGSTOP) mid-answer. The tiny model writes 400 tokens in about a second: on a loaded
+    machine the whole answer can arrive before a test acts on its first tokens, so an answer found
+    complete after the freeze is tried again. Yields the socket, the bytes read and the sidecar's
+    metrics from just before the request; vLLM resumes (SIGCONT) on exit unless it was killed."""
     body = {"model": "tiny-llm", "messages": CHAT, "max_tokens": 400, "min_tokens": 400, "stream": True}
-    with socket.create_connection(("127.0.0.1", sidecar.http_port), timeout=60) as sock:
-        sock.sendall(_sse_request("/v1/chat/completions", body))
-        got = b""
-        while got.count(b'"content":"') < 6:  # the role-only event and five tokens
-            got += sock.recv(4096)
+    for _ in range(5):
+        before = _scrape(sidecar.metrics_url)
+        with socket.create_connection(("127.0.0.1", sidecar.http_port), timeout=60) as sock:
+            sock.sendall(_sse_request("/v1/chat/completions", body))
+            got = b""
+            while got.count(b'"content":"') < tokens:
+                got += sock.recv(4096)
+            groups = _vllm_groups(vllm.proc)
+            _signal_groups(groups, signal.SIGSTOP)
+            try:
+                sock.settimeout(0.5)  # what was already on its way
+                with contextlib.suppress(TimeoutError):
+                    while more := sock.recv(65536):
+                        got += more
+                sock.settimeout(60)
+                if b"data: [DONE]" not in got:
+                    yield sock, got, before
+                    return
+            finally:
+                _signal_groups(groups, signal.SIGCONT)
+    raise AssertionError("five 400-token answers were complete before vLLM could be frozen")
+
+
+def test_a_client_that_leaves_mid_stream_is_499_with_the_tokens_it_got(
+    vllm: Upstream, sidecar: SidecarInfo
+) -> None:
+    with _stream_cut_by_a_freeze(vllm, sidecar, 6) as (
+        sock,
+        _,
+        before,
+    ):  # the role-only event and five tokens
+        sock.close()
     deadline = time.monotonic() + 30
     while True:
         after = _scrape(sidecar.metrics_url)
@@ -404,32 +460,14 @@ def test_spans_carry_the_gen_ai_attributes(vllm: Upstream, tmp_path: Path) -> No
     assert attrs["http.response.status_code"] == 200
 
 
-def _kill_vllm(launcher: subprocess.Popen) -> None:
-    """SIGKILL vLLM itself (API server, engine, worker: one process group of its own under the
-    launcher), as a crash would; then the launcher."""
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            fields = stat.read_text().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        if int(fields[1]) == launcher.pid:  # ppid
-            os.killpg(int(stat.parent.name), signal.SIGKILL)
-    os.killpg(launcher.pid, signal.SIGTERM)
-    launcher.wait(60)
-
-
 def test_the_upstream_killed_mid_stream_is_a_server_error_and_the_client_stream_closes(
     vllm: Upstream, sidecar: SidecarInfo
 ) -> None:
     """Last: vLLM does not come back."""
-    before = _scrape(sidecar.metrics_url)
-    body = {"model": "tiny-llm", "messages": CHAT, "max_tokens": 400, "min_tokens": 400, "stream": True}
-    with socket.create_connection(("127.0.0.1", sidecar.http_port), timeout=60) as sock:
-        sock.sendall(_sse_request("/v1/chat/completions", body))
-        got = b""
-        while got.count(b'"content":"') < 4:
-            got += sock.recv(4096)
-        _kill_vllm(vllm.proc)
+    with _stream_cut_by_a_freeze(vllm, sidecar, 4) as (sock, got, before):
+        _signal_groups(_vllm_groups(vllm.proc), signal.SIGKILL)  # as a crash would
+        os.killpg(vllm.proc.pid, signal.SIGTERM)  # then the launcher
+        vllm.proc.wait(60)
         while True:  # the sidecar closes the client's stream: EOF, not a hang or a reset
             more = sock.recv(65536)
             if not more:
