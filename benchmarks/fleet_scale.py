@@ -20,7 +20,7 @@ the rules run. Backfilled blocks are memory-mapped history: cheap to hold, and a
 different cost.
 
 What a pod looks like: its sidecar exposition is rendered by the sidecar's own telemetry
-(sidecar.telemetry.Telemetry, the code the real sidecar runs) fed one pod's traffic mix,
+(sidecar.core.telemetry.Telemetry, the code the real sidecar runs) fed one pod's traffic mix,
 so its series follow the sidecar as it changes; its GPU node's exposition is one scrape of
 the real GPU exporter (simulated backend, 8 GPUs) with each node's hostname and UUIDs;
 Triton's is the contract's ``nv_inference_*`` families per model version. Every pod of
@@ -136,7 +136,7 @@ def sidecar_exposition(spec: FleetSpec, kind: PodKind, seed: int = 1) -> str:
     both protocols, successes, client errors, timeouts and server errors, health checks (no
     model) and requests for a model the server does not have."""
     from sidecar.config import SidecarConfig
-    from sidecar.telemetry import UPSTREAM_GRPC, UPSTREAM_HTTP, Telemetry
+    from sidecar.core.telemetry import UPSTREAM_GRPC, UPSTREAM_HTTP, Telemetry
 
     registry = CollectorRegistry()
     tel = Telemetry(registry, SidecarConfig(spec=spec))

@@ -211,7 +211,7 @@ def admission_cost() -> dict[str, float]:
     from prometheus_client import CollectorRegistry
 
     from inferwatch.spec import parse_spec
-    from sidecar.admission import Admission
+    from sidecar.core.admission import Admission
 
     limits = {"requests": {"capacity": 10**9, "fill_rate": 10**9}, "concurrency": 10**6, "queue": 10}
     spec = parse_spec({"models": [{"name": "ranker", "latency_sla_ms": 100, "limits": limits}]})

@@ -41,7 +41,7 @@ L_CODE = "code"  # HTTP status ("200") or gRPC code name ("UNAVAILABLE")
 L_OUTCOME = "outcome"
 L_UPSTREAM = "upstream"
 L_TOKEN_TYPE = "type"  # on TOKENS_TOTAL: TOKEN_PROMPT or TOKEN_GENERATION
-L_REASON = "reason"  # on REQUESTS_SHED: which limit shed it (sidecar.admission.SHED_REASONS)
+L_REASON = "reason"  # on REQUESTS_SHED: which limit shed it (sidecar.core.admission.SHED_REASONS)
 TOKEN_PROMPT = "prompt"
 TOKEN_GENERATION = "generation"
 

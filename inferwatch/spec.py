@@ -105,7 +105,7 @@ class Bucket(_Strict):
 
 
 class Limits(_Strict):
-    """Overload protection, enforced per model by the sidecar (sidecar.admission) before a
+    """Overload protection, enforced per model by the sidecar (sidecar.core.admission) before a
     request reaches the server. Unset: no such limit. In a model, each key set overrides the
     defaults' (``requests: null`` turns an inherited bucket off)."""
 
@@ -335,7 +335,7 @@ def token_latency_buckets(
     default's, each at 1x, 2x and the latency alert's sla_factor x, so "slower than the
     SLA" (the TTFT SLO) and "P99 above 2x the SLA" (the warnings) are exact bucket
     boundaries. ``overrides``: per-model SLAs in seconds on top of the spec's (the
-    sidecar's flags), like ``sidecar.telemetry.histogram_buckets``."""
+    sidecar's flags), like ``sidecar.core.telemetry.histogram_buckets``."""
     if kind == "ttft":
         base, per_model, default = TTFT_BASE_BUCKETS, "ttft_sla_ms", spec.defaults.ttft_sla_ms
     elif kind == "tpot":

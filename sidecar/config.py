@@ -4,8 +4,8 @@ A flag wins over its environment variable, which wins over the default. Every va
 checked before anything starts; a bad one becomes one line naming the flag (or variable)
 and why (``ConfigError``), which ``inferwatch sidecar`` prints as ``inferwatch: error: ...``.
 
-``SidecarConfig`` is what both proxies read (``sidecar.http_proxy`` and
-``sidecar.grpc_proxy``): addresses, ports, timeouts, limits, routes and the fleet spec.
+``SidecarConfig`` is what both proxies read (``sidecar.protocols.http1`` and
+``sidecar.protocols.grpc_aio``): addresses, ports, timeouts, limits, routes and the fleet spec.
 """
 
 from __future__ import annotations
@@ -65,7 +65,7 @@ class SidecarConfig:
     # Tracing: off at 0; OTLP export itself follows the standard OTEL_* variables.
     trace_sample_ratio: float = 0.0
     log_level: str = "info"
-    # gRPC proxy engine (sidecar.grpc_proxy.serve): the HTTP/2 frame relay or grpc.aio.
+    # gRPC proxy engine (sidecar.protocols.grpc_aio.serve): the HTTP/2 frame relay or grpc.aio.
     grpc_engine: str = "relay"
 
     def latency_sla_seconds(self, model: str) -> float:

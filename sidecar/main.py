@@ -1,10 +1,10 @@
 """``inferwatch sidecar``: parse the configuration, build the parts, run until SIGTERM.
 
-Parts: one ``Telemetry`` (sidecar.telemetry) on its own registry, the metrics server
+Parts: one ``Telemetry`` (sidecar.core.telemetry) on its own registry, the metrics server
 (``/metrics`` in the OpenMetrics exposition when the scraper asks for it, so exemplars
-show; ``/healthz``; ``/readyz``) on a thread, the HTTP proxy (``sidecar.http_proxy.serve``)
-and, when ``sidecar.grpc_proxy`` exists and ``--grpc-port`` is not 0, the gRPC proxy
-(``sidecar.grpc_proxy.serve``). Both proxies share the contract::
+show; ``/healthz``; ``/readyz``) on a thread, the HTTP proxy (``sidecar.protocols.http1.serve``)
+and, when ``sidecar.protocols.grpc_aio`` exists and ``--grpc-port`` is not 0, the gRPC proxy
+(``sidecar.protocols.grpc_aio.serve``). Both proxies share the contract::
 
     server = await serve(config, telemetry)   # listening when it returns
     server.begin_drain()                      # optional: SIGTERM came, still accepting
@@ -30,7 +30,6 @@ import argparse
 import asyncio
 import faulthandler
 import gc
-import importlib.util
 import json
 import logging
 import os
@@ -339,11 +338,11 @@ async def refresh_models(
     Until then the upstream's readiness is asked every ``NOT_READY_PROBE_INTERVAL``. After,
     the index is read every ``--model-refresh-interval``, when the upstream comes back, and at
     most ``MISS_REFRESH_MIN_INTERVAL`` after a request named an unknown model (``wake``);
-    between reads, ``health`` (``sidecar.health``: the gauge's one writer and its one probe)
+    between reads, ``health`` (``sidecar.core.health``: the gauge's one writer and its one probe)
     says whether the upstream is up; what each read saw is reported to it.
     """
-    from sidecar.health import UpstreamHealth
-    from sidecar.telemetry import UPSTREAM_HTTP
+    from sidecar.core.health import UpstreamHealth
+    from sidecar.core.telemetry import UPSTREAM_HTTP
 
     if health is None:
         health = UpstreamHealth(telemetry, {UPSTREAM_HTTP: config.upstream_http}, config.connect_timeout)
@@ -390,12 +389,13 @@ async def refresh_models(
 async def run(config: cfg.SidecarConfig) -> int:
     from prometheus_client import CollectorRegistry, disable_created_metrics
 
-    from sidecar import http_proxy, overload
-    from sidecar.admission import Admission
     from sidecar.apis.routes import classify
-    from sidecar.health import UpstreamHealth
-    from sidecar.llm import StreamTelemetry
-    from sidecar.telemetry import UPSTREAM_HTTP, Telemetry
+    from sidecar.core import overload
+    from sidecar.core.admission import Admission
+    from sidecar.core.health import UpstreamHealth
+    from sidecar.core.streams import StreamTelemetry
+    from sidecar.core.telemetry import UPSTREAM_HTTP, Telemetry
+    from sidecar.protocols import grpc_aio, http1
 
     # No _created series: Prometheus 2.x does not use them, and they were 8% of the
     # sidecar's series (one per counter and histogram child).
@@ -421,14 +421,13 @@ async def run(config: cfg.SidecarConfig) -> int:
     health = UpstreamHealth(telemetry, {UPSTREAM_HTTP: config.upstream_http}, config.connect_timeout)
     refresher = asyncio.create_task(refresh_models(config, telemetry, wake, readiness, streams, health))
     try:
-        # One limit for every protocol, and the spec's per-model limits (sidecar.overload).
+        # One limit for every protocol, and the spec's per-model limits (sidecar.core.overload).
         admission = Admission(
             config.max_in_flight, overload.limits_of(config.spec), telemetry.model_label, registry
         )
-        servers.append(("http", await http_proxy.serve(config, telemetry, admission, streams, health)))
-        if config.grpc_proxy_enabled and importlib.util.find_spec("sidecar.grpc_proxy") is not None:
-            grpc_proxy = importlib.import_module("sidecar.grpc_proxy")
-            servers.append(("grpc", await grpc_proxy.serve(config, telemetry, admission, streams, health)))
+        servers.append(("http", await http1.serve(config, telemetry, admission, streams, health)))
+        if config.grpc_proxy_enabled:
+            servers.append(("grpc", await grpc_aio.serve(config, telemetry, admission, streams, health)))
         health.start()
     except BaseException:
         refresher.cancel()
@@ -468,7 +467,7 @@ async def run(config: cfg.SidecarConfig) -> int:
         "draining",
         extra={
             "fields": {
-                "in_flight": admission.active,  # sidecar.admission: requests admitted, all protocols
+                "in_flight": admission.active,  # sidecar.core.admission: requests admitted, all protocols
                 "delay_s": config.drain_delay,
                 "grace_s": config.drain_timeout,
             }

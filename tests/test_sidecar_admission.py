@@ -1,4 +1,4 @@
-"""Admission (sidecar/admission.py): one limit for every protocol.
+"""Admission (sidecar/core/admission.py): one limit for every protocol.
 
 Unit tests of ``Admission``, and the ``inferwatch sidecar`` process in front of the real Triton
 with ``--max-in-flight 2``: two requests held on one protocol, and the next request on the other
@@ -22,7 +22,7 @@ import tritonclient.grpc as tgrpc
 
 from inferwatch import contract
 from reference_server.catalog import example_input
-from sidecar.admission import IN_FLIGHT, Admission
+from sidecar.core.admission import IN_FLIGHT, Admission
 from tests.fixtures.sidecar import launch_sidecar
 
 REQUESTS = contract.REQUESTS_TOTAL.name

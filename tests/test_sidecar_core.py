@@ -15,7 +15,7 @@ from prometheus_client.openmetrics.exposition import generate_latest as openmetr
 
 from inferwatch import contract
 from sidecar import config as cfg
-from sidecar.telemetry import Telemetry, outcome_for_grpc, outcome_for_http
+from sidecar.core.telemetry import Telemetry, outcome_for_grpc, outcome_for_http
 
 FLEET = "fleet.yaml"
 
@@ -303,7 +303,7 @@ def _series_of(reg: CollectorRegistry, model: str) -> int:
 
 
 def test_series_budget_per_model_version_and_per_pod() -> None:
-    from sidecar.llm import StreamTelemetry
+    from sidecar.core.streams import StreamTelemetry
 
     reg = CollectorRegistry()
     config = make_config("--spec", FLEET)

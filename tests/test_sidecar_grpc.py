@@ -40,9 +40,9 @@ from inferwatch import contract
 from reference_server.catalog import MODELS, example_input
 from reference_server.launcher import TritonServer, find_binary, prepare_backends, triton_env
 from sidecar.config import SidecarConfig
-from sidecar.grpc_proxy import ENGINES, GrpcProxy
-from sidecar.grpc_relay import GrpcRelay
-from sidecar.telemetry import UPSTREAM_GRPC, Telemetry
+from sidecar.core.telemetry import UPSTREAM_GRPC, Telemetry
+from sidecar.protocols.grpc_aio import ENGINES, GrpcProxy
+from sidecar.protocols.grpc_relay import GrpcRelay
 from tests.fixtures.net import Processes, free_port, inferwatch_cmd, wait_http
 
 pytestmark = pytest.mark.integration

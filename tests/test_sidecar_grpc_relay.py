@@ -21,8 +21,8 @@ import hpack
 import pytest
 
 from inferwatch.logs import JsonFormatter
-from sidecar import grpc_relay_conn
-from sidecar.h2 import (
+from sidecar.protocols import grpc_relay_conn
+from sidecar.protocols.h2 import (
     ACK,
     CONTINUATION,
     DATA,

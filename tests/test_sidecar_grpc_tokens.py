@@ -1,9 +1,9 @@
-"""Token timing on gRPC ``ModelStreamInfer`` (sidecar/grpc_tokens.py): a decoupled model answers
+"""Token timing on gRPC ``ModelStreamInfer`` (sidecar/protocols/grpc_tokens.py): a decoupled model answers
 one request with one response per token; the sidecar records TTFT, inter-token gaps, TPOT and
 generation tokens per request, and a mid-stream error as a server_error.
 
 Unit tests feed hand-made responses; the integration tests run both gRPC engines in-process with
-a real ``Telemetry`` and the LLM telemetry (``sidecar.llm.StreamTelemetry``) in front of the real
+a real ``Telemetry`` and the LLM telemetry (``sidecar.core.streams.StreamTelemetry``) in front of the real
 Triton's ``tiny_stream`` (reference_server/README.md: 20 ms to the first token, then 10 ms per
 token on version 1), driven by tritonclient's ``start_stream``/``async_stream_infer``.
 """
@@ -25,12 +25,12 @@ from inferwatch import contract
 from reference_server import faults
 from sidecar.apis.routes import classify
 from sidecar.config import SidecarConfig
-from sidecar.grpc_proxy import ENGINES, GrpcProxy
-from sidecar.grpc_relay import GrpcRelay
-from sidecar.grpc_streams import StreamMatcher
-from sidecar.grpc_tokens import StreamTokens
-from sidecar.llm import StreamTelemetry
-from sidecar.telemetry import Telemetry
+from sidecar.core.streams import StreamTelemetry
+from sidecar.core.telemetry import Telemetry
+from sidecar.protocols.grpc_aio import ENGINES, GrpcProxy
+from sidecar.protocols.grpc_relay import GrpcRelay
+from sidecar.protocols.grpc_streams import StreamMatcher
+from sidecar.protocols.grpc_tokens import StreamTokens
 from tests.fixtures.sidecar import launch_sidecar
 from tests.test_sidecar_grpc import (
     REQUESTS,

@@ -9,10 +9,10 @@ import numpy as np
 import pytest
 from tritonclient.grpc import service_pb2 as pb
 
-from sidecar.grpc_methods import UNARY_METHODS, stream_error_code
-from sidecar.grpc_proxy import forwarded_metadata, with_traceparent
-from sidecar.grpc_streams import StreamMatcher
-from sidecar.grpc_wire import (
+from sidecar.protocols.grpc_aio import forwarded_metadata, with_traceparent
+from sidecar.protocols.grpc_methods import UNARY_METHODS, stream_error_code
+from sidecar.protocols.grpc_streams import StreamMatcher
+from sidecar.protocols.grpc_wire import (
     HEAD_BYTES,
     MessageScanner,
     WireError,
@@ -22,7 +22,7 @@ from sidecar.grpc_wire import (
     response_has_text,
     stream_response_info,
 )
-from sidecar.h2 import HeaderReader, HpackError, literal, parse_block, settings_without_table
+from sidecar.protocols.h2 import HeaderReader, HpackError, literal, parse_block, settings_without_table
 
 
 def infer_request(model: str = "ranker", version: str = "", rid: str = "", tensor_bytes: int = 64) -> bytes:

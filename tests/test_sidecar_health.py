@@ -1,4 +1,4 @@
-"""Upstream health (sidecar/health.py): the one writer of ``inferwatch_upstream_up`` and its one
+"""Upstream health (sidecar/core/health.py): the one writer of ``inferwatch_upstream_up`` and its one
 probe, against real sockets on loopback."""
 
 from __future__ import annotations
@@ -13,10 +13,10 @@ import pytest
 from prometheus_client import CollectorRegistry
 
 from inferwatch import contract
-from sidecar import health as health_mod
 from sidecar.config import SidecarConfig
-from sidecar.health import UpstreamHealth
-from sidecar.telemetry import UPSTREAM_GRPC, UPSTREAM_HTTP, Telemetry
+from sidecar.core import health as health_mod
+from sidecar.core.health import UpstreamHealth
+from sidecar.core.telemetry import UPSTREAM_GRPC, UPSTREAM_HTTP, Telemetry
 from tests.fixtures.net import free_port
 
 UP = contract.UPSTREAM_UP.name
@@ -36,7 +36,7 @@ def test_report_writes_and_logs_only_changes(caplog: pytest.LogCaptureFixture) -
     tel, registry = telemetry()
     h = UpstreamHealth(tel, {UPSTREAM_HTTP: ("127.0.0.1", 8000)})
     assert h.is_up(UPSTREAM_HTTP) is None and gauge(registry, UPSTREAM_HTTP) is None
-    with caplog.at_level(logging.INFO, logger="inferwatch.sidecar.health"):
+    with caplog.at_level(logging.INFO, logger="inferwatch.sidecar.core.health"):
         for up in (True, True, False, False, False, True):
             h.report(UPSTREAM_HTTP, up, "" if up else "connection refused")
             assert gauge(registry, UPSTREAM_HTTP) == (1.0 if up else 0.0)

@@ -39,8 +39,8 @@ from inferwatch import contract
 from reference_server.catalog import example_input
 from reference_server.launcher import TritonServer
 from sidecar.config import SidecarConfig
-from sidecar.http_proxy import POOL_IDLE_SECONDS, serve
-from sidecar.telemetry import Telemetry
+from sidecar.core.telemetry import Telemetry
+from sidecar.protocols.http1 import POOL_IDLE_SECONDS, serve
 from tests.fixtures.net import free_port
 from tests.fixtures.sidecar import SidecarInfo, launch_sidecar
 

@@ -8,7 +8,7 @@ import re
 import pytest
 
 from sidecar.config import Route
-from sidecar.http_proxy import ERROR_RESPONSES, OVERLOAD_RESPONSE, STATUS_LINE, labels_from_path
+from sidecar.protocols.http1 import ERROR_RESPONSES, OVERLOAD_RESPONSE, STATUS_LINE, labels_from_path
 
 
 @pytest.mark.parametrize(

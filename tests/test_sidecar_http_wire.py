@@ -13,8 +13,8 @@ from prometheus_client import CollectorRegistry
 
 from inferwatch import contract
 from sidecar.config import SidecarConfig
-from sidecar.http_proxy import serve
-from sidecar.telemetry import Telemetry
+from sidecar.core.telemetry import Telemetry
+from sidecar.protocols.http1 import serve
 
 ANSWER = (
     b"HTTP/1.1 200 OK\r\nContent-Type: application/octet-stream\r\nConnection: keep-alive, X-Up-Secret\r\n"

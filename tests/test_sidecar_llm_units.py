@@ -14,8 +14,8 @@ from inferwatch import contract as c
 from inferwatch.spec import load_spec
 from sidecar.apis import routes
 from sidecar.config import SidecarConfig
-from sidecar.llm import StreamTelemetry
-from sidecar.telemetry import Telemetry
+from sidecar.core.streams import StreamTelemetry
+from sidecar.core.telemetry import Telemetry
 
 ROOT = Path(__file__).resolve().parents[1]
 STREAMS = ROOT / "tests" / "fixtures" / "llm_streams"

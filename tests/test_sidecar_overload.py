@@ -326,7 +326,7 @@ def test_relay_with_tracing_holds_for_the_model_and_traces_admitted_and_shed_cal
     from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
     from inferwatch.spec import parse_spec
-    from sidecar.admission import Admission
+    from sidecar.core.admission import Admission
 
     spec = parse_spec(
         {

@@ -1,5 +1,5 @@
 """Per-model limits: the fleet spec's ``limits`` (strict, one-line errors, one test per bad value)
-and ``sidecar.admission.Admission`` enforcing them, on a fake clock."""
+and ``sidecar.core.admission.Admission`` enforcing them, on a fake clock."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ from prometheus_client import CollectorRegistry
 
 from inferwatch import contract
 from inferwatch.spec import Limits, SpecError, load_spec, parse_spec
-from sidecar.admission import (
+from sidecar.core.admission import (
     IN_FLIGHT,
     SHED_QUEUE_FULL,
     SHED_QUEUE_TIMEOUT,

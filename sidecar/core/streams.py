@@ -38,7 +38,7 @@ from sidecar.apis.hooks import StreamEnd
 
 if TYPE_CHECKING:
     from sidecar.config import SidecarConfig
-    from sidecar.telemetry import Request, Telemetry, _Series
+    from sidecar.core.telemetry import Request, Telemetry, _Series
 
 _SERVER = contract.OUTCOME_SERVER_ERROR
 _NO_LABEL = (contract.MODEL_OVERFLOW, contract.MODEL_NONE)

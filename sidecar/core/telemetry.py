@@ -1,6 +1,6 @@
 """Per-request observation for both proxies: the contract's metrics and the server span.
 
-The HTTP proxy (``sidecar.http_proxy``) and the gRPC proxy (``sidecar.grpc_proxy``) share
+The HTTP proxy (``sidecar.protocols.http1``) and the gRPC proxy (``sidecar.protocols.grpc_aio``) share
 one ``Telemetry``; everything a request costs is two calls::
 
     tel = Telemetry(registry, config, tracer=None)      # builds every metric family once
@@ -29,7 +29,7 @@ one ``Telemetry``; everything a request costs is two calls::
 - ``model_label(name)``: the name itself when the upstream serves it (its repository
   index, given through ``update_models``), the spec lists it, or the upstream already
   answered a request for it with success, up to ``spec.sidecar.max_models`` names; anything
-  else is ``contract.MODEL_OVERFLOW`` (``sidecar.catalog.ModelCatalog`` decides). A request
+  else is ``contract.MODEL_OVERFLOW`` (``sidecar.core.catalog.ModelCatalog`` decides). A request
   that began under the overflow label and ends with success (HTTP 2xx, gRPC OK) is counted
   under its own name (within the cap), so the first requests after the upstream turns ready
   are attributed before the index is read. A miss calls ``on_unknown_model`` (the
@@ -56,7 +56,7 @@ from typing import TYPE_CHECKING, Any
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from inferwatch import contract
-from sidecar.catalog import ModelCatalog
+from sidecar.core.catalog import ModelCatalog
 
 if TYPE_CHECKING:
     from opentelemetry.trace import Span, Tracer
@@ -152,7 +152,7 @@ class _Series:
         self.bytes_out = tel.resp_bytes.labels(model, protocol)
         # (code, outcome) -> counter child, filled as codes appear (bounded: codes are few).
         self.counters: dict[tuple[str, str], Any] = {}
-        self.llm: Any = None  # sidecar.llm's children, made on the first generative request
+        self.llm: Any = None  # sidecar.core.streams's children, made on the first generative request
 
 
 class Request:

@@ -2,7 +2,7 @@
 
 ``GrpcRelay`` listens, holds what all connections share (admission, upstream health, the
 refused calls awaiting their retry) and drains on stop. What happens on each
-connection (frames, header blocks, counting) is ``sidecar.grpc_relay_conn``; user
+connection (frames, header blocks, counting) is ``sidecar.protocols.grpc_relay_conn``; user
 documentation is ``sidecar/GRPC.md``.
 """
 
@@ -14,12 +14,12 @@ import socket
 import time
 from typing import Any
 
-from sidecar.admission import Admission
-from sidecar.grpc_calls import RefusedCalls
-from sidecar.grpc_methods import upstream_target
-from sidecar.grpc_relay_conn import ClientSide
-from sidecar.health import UpstreamHealth
-from sidecar.telemetry import GRPC_CODES, UPSTREAM_GRPC
+from sidecar.core.admission import Admission
+from sidecar.core.health import UpstreamHealth
+from sidecar.core.telemetry import GRPC_CODES, UPSTREAM_GRPC
+from sidecar.protocols.grpc_calls import RefusedCalls
+from sidecar.protocols.grpc_methods import upstream_target
+from sidecar.protocols.grpc_relay_conn import ClientSide
 
 log = logging.getLogger("inferwatch.sidecar.grpc")
 
@@ -53,7 +53,7 @@ class GrpcRelay:
         # Shared with the other proxies (sidecar.main): the limit is the process's total.
         self.admission = admission if admission is not None else Admission(max_concurrent_rpcs or 0)
         self.connect_timeout = connect_timeout_s
-        # The LLM telemetry (sidecar.llm): ModelStreamInfer's token timing; None: not recorded.
+        # The LLM telemetry (sidecar.core.streams): ModelStreamInfer's token timing; None: not recorded.
         self.streams = streams
         self.conns: set[Any] = set()  # grpc_relay_conn._Conn
         self.retries = RefusedCalls(RETRY_WAIT_S)  # calls the upstream refused, awaiting their retry
@@ -113,5 +113,5 @@ class GrpcRelay:
             self.health.stop()
 
     def upstream_state(self, up: bool, exc: BaseException | None) -> None:
-        """What a connection saw of the upstream (sidecar.health writes the gauge on change)."""
+        """What a connection saw of the upstream (sidecar.core.health writes the gauge on change)."""
         self.health.report(UPSTREAM_GRPC, up, str(exc) if exc else "")

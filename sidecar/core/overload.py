@@ -1,4 +1,4 @@
-"""Overload protection's glue around ``sidecar.admission``: the HTTP answer to a shed request
+"""Overload protection's glue around ``sidecar.core.admission``: the HTTP answer to a shed request
 and the SIGHUP re-read of the fleet spec's limits.
 
 A shed HTTP request gets 429 with ``Retry-After``, built once per refusal (refusals are prebuilt
@@ -14,7 +14,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from inferwatch.spec import FleetSpec, Limits, SpecError, load_spec
-from sidecar.admission import Admission, Refusal
+from sidecar.core.admission import Admission, Refusal
 
 log = logging.getLogger("inferwatch.sidecar")
 

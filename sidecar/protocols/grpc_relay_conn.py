@@ -1,6 +1,6 @@
 """The gRPC relay's connections: one client connection relayed to one upstream connection.
 
-The listener, the upstream probe and the drain are ``sidecar.grpc_relay``; this module is what
+The listener, the upstream probe and the drain are ``sidecar.protocols.grpc_relay``; this module is what
 happens on each connection. The relay is the lean engine of the sidecar's gRPC side.
 
 grpc.aio spends about half a millisecond of CPU per proxied call on its own machinery (see
@@ -23,8 +23,8 @@ metrics need:
   server's span is the sidecar span's child. From the upstream: ``grpc-status`` in the
   trailers closes the observation with that code.
 - **DATA**: the first bytes of each gRPC message (model name, version, request id: fields 1-3,
-  ``sidecar.grpc_wire``); the rest is forwarded without a look. For ``ModelStreamInfer`` every
-  message on both sides is observed (``sidecar.grpc_streams``).
+  ``sidecar.protocols.grpc_wire``); the rest is forwarded without a look. For ``ModelStreamInfer`` every
+  message on both sides is observed (``sidecar.protocols.grpc_streams``).
 - **RST_STREAM**: a client's cancel goes upstream as it is, so the upstream stops working. An
   upstream's REFUSED_STREAM (never processed; a client's retry policy retries it) keeps the
   call's observation for a moment, and the retry continues it, so the call is counted once.
@@ -36,8 +36,8 @@ UNAVAILABLE, then GOAWAY so the client reconnects), it dropped the connection (o
 UNAVAILABLE trailers), the in-flight limit or the message-size limit refuses a call
 (RESOURCE_EXHAUSTED), or the relay itself failed (INTERNAL, then GOAWAY and close; logged).
 
-Counting is the same contract as ``sidecar.grpc_proxy``. HTTP/2 framing and HPACK live in
-``sidecar.h2``, the method table in ``sidecar.grpc_methods``.
+Counting is the same contract as ``sidecar.protocols.grpc_aio``. HTTP/2 framing and HPACK live in
+``sidecar.protocols.h2``, the method table in ``sidecar.protocols.grpc_methods``.
 """
 
 from __future__ import annotations
@@ -51,8 +51,9 @@ from typing import Any
 import hpack
 
 from inferwatch.contract import MODEL_NONE, PROTOCOL_GRPC
-from sidecar.grpc_calls import OTHER, STREAM, UNARY, Call
-from sidecar.grpc_methods import (
+from sidecar.core.telemetry import GRPC_CODES
+from sidecar.protocols.grpc_calls import OTHER, STREAM, UNARY, Call
+from sidecar.protocols.grpc_methods import (
     CODE_NAMES,
     SERVICE,
     STREAM_FIELDS,
@@ -60,14 +61,14 @@ from sidecar.grpc_methods import (
     UNARY_METHODS,
     stream_error_code,
 )
-from sidecar.grpc_tokens import StreamTokens
-from sidecar.grpc_wire import (
+from sidecar.protocols.grpc_tokens import StreamTokens
+from sidecar.protocols.grpc_wire import (
     grpc_timeout_seconds,
     grpc_timeout_value,
     read_strings,
     stream_response_info,
 )
-from sidecar.h2 import (
+from sidecar.protocols.h2 import (
     ACK,
     CANCEL,
     CONTINUATION,
@@ -97,7 +98,6 @@ from sidecar.h2 import (
     parse_block,
     settings_without_table,
 )
-from sidecar.telemetry import GRPC_CODES
 
 log = logging.getLogger("inferwatch.sidecar.grpc")
 

@@ -1,13 +1,13 @@
 """What both gRPC engines know about the service they proxy: the method table, span names, the
 status codes and how Triton's in-stream errors map to them.
 
-``sidecar.grpc_relay`` (the HTTP/2 relay) and ``sidecar.grpc_proxy`` (grpc.aio) import from here;
-nothing here imports either engine.
+``sidecar.protocols.grpc_relay`` (the HTTP/2 relay) and ``sidecar.protocols.grpc_aio``
+(grpc.aio) import from here; nothing here imports either engine.
 """
 
 from __future__ import annotations
 
-from sidecar.telemetry import GRPC_CODES
+from sidecar.core.telemetry import GRPC_CODES
 
 SERVICE = "inference.GRPCInferenceService"
 

@@ -22,7 +22,7 @@ import logging
 from collections.abc import Mapping
 from typing import Any
 
-log = logging.getLogger("inferwatch.sidecar.health")
+log = logging.getLogger("inferwatch.sidecar.core.health")
 
 # Seconds between TCP probes of an upstream while it is up / down.
 UP_PROBE_S, DOWN_PROBE_S = 5.0, 0.5

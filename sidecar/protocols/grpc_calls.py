@@ -1,4 +1,4 @@
-"""Per-call bookkeeping of the gRPC relay (``sidecar.grpc_relay``): one ``Call`` per HTTP/2
+"""Per-call bookkeeping of the gRPC relay (``sidecar.protocols.grpc_relay``): one ``Call`` per HTTP/2
 stream, and the calls the upstream refused, each waiting for the client's retry.
 
 Nothing here reads or writes bytes; the relay feeds these objects what it read.
@@ -11,10 +11,10 @@ import collections
 from collections.abc import Callable
 from typing import Any
 
-from sidecar.grpc_methods import span_attributes
-from sidecar.grpc_streams import StreamMatcher
-from sidecar.grpc_tokens import StreamTokens
-from sidecar.grpc_wire import MessageScanner
+from sidecar.protocols.grpc_methods import span_attributes
+from sidecar.protocols.grpc_streams import StreamMatcher
+from sidecar.protocols.grpc_tokens import StreamTokens
+from sidecar.protocols.grpc_wire import MessageScanner
 
 # Method kinds: a unary method of the service (one message each way), ModelStreamInfer (one
 # observation per message), anything else (one observation per call, no model).
@@ -72,7 +72,7 @@ class Call:
         self.headers_out = False  # response headers went to the client
         self.dropped = False  # the relay answered this call itself; later frames are dropped
         self.counted = False  # holds a place in the in-flight limit
-        # Per-model limits (sidecar.admission): the model it was admitted under, and whether its
+        # Per-model limits (sidecar.core.admission): the model it was admitted under, and whether its
         # admission waits for its message (the header block is held meanwhile, as with tracing).
         self.admitted = ""
         self.admit_later = False

@@ -1,6 +1,6 @@
 """The gRPC half of the sidecar: ``serve()``, the method table, and the grpc.aio engine.
 
-``serve()`` starts the HTTP/2 frame relay (``sidecar.grpc_relay``, the default engine) or this
+``serve()`` starts the HTTP/2 frame relay (``sidecar.protocols.grpc_relay``, the default engine) or this
 module's grpc.aio proxy (``config.grpc_engine == "aio"``); both follow the contract below. In
 the grpc.aio engine, every method is forwarded as raw bytes (generic handlers with no
 (de)serializers), so tensors are never decoded or copied into Python objects. The only
@@ -21,7 +21,7 @@ Counting (one observation per request, each closed by exactly one ``Telemetry.en
   before it has read the request (an unknown method's UNIMPLEMENTED), grpc's client may report
   INTERNAL "Internal error from Core" in place of the upstream's code.
 
-A call ``sidecar.admission`` refuses (past ``--max-in-flight`` requests in flight across the
+A call ``sidecar.core.admission`` refuses (past ``--max-in-flight`` requests in flight across the
 sidecar's protocols; a stream counts once) gets one fixed, counted answer: RESOURCE_EXHAUSTED.
 User documentation: ``sidecar/GRPC.md``.
 """
@@ -37,8 +37,10 @@ import grpc
 import grpc.aio
 
 from inferwatch.contract import MODEL_NONE, PROTOCOL_GRPC
-from sidecar.admission import Admission
-from sidecar.grpc_methods import (
+from sidecar.core.admission import Admission
+from sidecar.core.health import UpstreamHealth
+from sidecar.core.telemetry import UPSTREAM_GRPC
+from sidecar.protocols.grpc_methods import (
     EXTRA_UNARY_PATHS,
     SERVICE,
     STREAM_FIELDS,
@@ -48,11 +50,9 @@ from sidecar.grpc_methods import (
     stream_error_code,
     upstream_target,
 )
-from sidecar.grpc_streams import StreamMatcher
-from sidecar.grpc_tokens import StreamTokens
-from sidecar.grpc_wire import WireError, read_strings, stream_response_info
-from sidecar.health import UpstreamHealth
-from sidecar.telemetry import UPSTREAM_GRPC
+from sidecar.protocols.grpc_streams import StreamMatcher
+from sidecar.protocols.grpc_tokens import StreamTokens
+from sidecar.protocols.grpc_wire import WireError, read_strings, stream_response_info
 
 log = logging.getLogger("inferwatch.sidecar.grpc")
 
@@ -93,7 +93,7 @@ def with_traceparent(metadata: Metadata, traceparent: str | None) -> Metadata:
 class GrpcProxy:
     """The proxy server and its one upstream channel.
 
-    ``telemetry`` is the sidecar's per-request observation API (``sidecar.telemetry.Telemetry``).
+    ``telemetry`` is the sidecar's per-request observation API (``sidecar.core.telemetry.Telemetry``).
     """
 
     def __init__(
@@ -115,7 +115,7 @@ class GrpcProxy:
         # Calls past its limit get the one fixed overload answer (RESOURCE_EXHAUSTED); shared
         # with the other proxies (sidecar.main), so the limit is the process's total.
         self.admission = admission if admission is not None else Admission(max_concurrent_rpcs or 0)
-        # The LLM telemetry (sidecar.llm): ModelStreamInfer's token timing; None: not recorded.
+        # The LLM telemetry (sidecar.core.streams): ModelStreamInfer's token timing; None: not recorded.
         self.streams = streams
         # The one writer of upstream_up, shared (sidecar.main runs its probe), or this proxy's own.
         self._own_health = health is None
@@ -183,7 +183,7 @@ class GrpcProxy:
 
     async def _watch_upstream(self) -> None:
         """Follow the channel's connectivity (READY: up, TRANSIENT_FAILURE: down) and tell
-        ``sidecar.health``, which writes the gauge. Asking for the state with ``try_to_connect``
+        ``sidecar.core.health``, which writes the gauge. Asking for the state with ``try_to_connect``
         keeps the channel reconnecting, so calls flow as soon as the upstream returns.
         """
         assert self._channel is not None
@@ -224,7 +224,7 @@ class GrpcProxy:
     def _limited(self, handler: Callable, path: str, name_field: int = 0, version_field: int = 0) -> Callable:
         """``handler`` behind admission: a refused call gets the fixed overload answer, counted."""
         admission, tel = self.admission, self._tel
-        # A unary call names its model in its one message: per-model limits (sidecar.admission)
+        # A unary call names its model in its one message: per-model limits (sidecar.core.admission)
         # apply to it, and may be turned on by a SIGHUP, so such calls always pass here.
         if not admission.limit and not name_field:
             return handler
@@ -499,10 +499,10 @@ async def serve(
     """Start the gRPC proxy as ``sidecar.main`` configures it; the caller awaits ``stop(grace)``.
 
     Engine: ``config.grpc_engine`` when the configuration has it, else ``relay`` (the HTTP/2
-    frame relay of ``sidecar.grpc_relay``, several times cheaper); ``aio`` is this module's
+    frame relay of ``sidecar.protocols.grpc_relay``, several times cheaper); ``aio`` is this module's
     grpc.aio proxy. Message-size limit: ``max_body_bytes``; concurrent calls: ``admission``
     (shared with the HTTP proxy; without one, ``max_in_flight`` for this side alone), beyond it
-    the counted RESOURCE_EXHAUSTED answer; ``streams``: the LLM telemetry (``sidecar.llm``) that
+    the counted RESOURCE_EXHAUSTED answer; ``streams``: the LLM telemetry (``sidecar.core.streams``) that
     ``ModelStreamInfer``'s token timing goes to (None: not recorded); per-request timeout:
     ``request_timeout``; the upstream is retried within ``connect_timeout`` of coming back;
     ``health``: the sidecar's ``UpstreamHealth`` (its probe run by the caller), else the proxy's own.
@@ -520,7 +520,7 @@ async def serve(
         "health": health,
     }
     if engine == "relay":
-        from sidecar.grpc_relay import GrpcRelay
+        from sidecar.protocols.grpc_relay import GrpcRelay
 
         proxy: Any = GrpcRelay(upstream_target(config.upstream_grpc), telemetry, **kwargs)
     else:

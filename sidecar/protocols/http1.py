@@ -50,15 +50,15 @@ from urllib.parse import unquote
 import httptools
 
 from inferwatch import contract
-from sidecar.admission import Admission, Refusal, Waiting
-from sidecar.health import UpstreamHealth
-from sidecar.overload import http_answer
+from sidecar.core.admission import Admission, Refusal, Waiting
+from sidecar.core.health import UpstreamHealth
+from sidecar.core.overload import http_answer
 
 if TYPE_CHECKING:
     from sidecar.apis.routes import Api
     from sidecar.config import SidecarConfig
-    from sidecar.llm import StreamExchange, StreamTelemetry
-    from sidecar.telemetry import Request, Telemetry
+    from sidecar.core.streams import StreamExchange, StreamTelemetry
+    from sidecar.core.telemetry import Request, Telemetry
 
 log = logging.getLogger("inferwatch.sidecar.http")
 
@@ -220,7 +220,7 @@ class Exchange:
         self.safe = method in SAFE_METHODS
         self.version10 = False
         self.upstream: UpstreamConn | None = None
-        self.llm: StreamExchange | None = None  # a generative route's observer (sidecar.llm)
+        self.llm: StreamExchange | None = None  # a generative route's observer (sidecar.core.streams)
         self.out: list[bytes] = []
         self.req_bytes = 0
         self.resp_bytes = 0
@@ -235,7 +235,7 @@ class Exchange:
         self.done = False
         self.deadline = 0.0
         self.admitted: str | None = None  # the model it holds an admission slot for
-        self.waiting: Waiting | None = None  # queued by a per-model limit (sidecar.admission)
+        self.waiting: Waiting | None = None  # queued by a per-model limit (sidecar.core.admission)
 
     def woken(self, refusal: Refusal | None) -> None:
         """The admission queue's answer: a slot (start, if first in line) or shed."""
@@ -786,7 +786,7 @@ class ClientConn(asyncio.Protocol):
         self.exchanges.append(ex)
         proxy.requests += 1
 
-        admission = proxy.admission  # sidecar.admission: the limits, one for all protocols
+        admission = proxy.admission  # sidecar.core.admission: the limits, one for all protocols
         got = admission.acquire(model, 0, ex.woken if admission.per_model else None)
         if type(got) is Refusal and got.retry_after:  # a per-model limit shed it: 429, nothing upstream
             self.exchanges.pop()
@@ -950,11 +950,11 @@ class HttpProxy:
         streams: StreamTelemetry | None = None,
         health: UpstreamHealth | None = None,
     ) -> None:
-        from sidecar.telemetry import UPSTREAM_HTTP
+        from sidecar.core.telemetry import UPSTREAM_HTTP
 
         self.config = config
         self.telemetry = telemetry
-        # Generative routes (sidecar.llm): which API a path speaks, and its token telemetry.
+        # Generative routes (sidecar.core.streams): which API a path speaks, and its token telemetry.
         self.streams = streams
         # Shared with the gRPC side (sidecar.main), so --max-in-flight is the process's total.
         self.admission = admission if admission is not None else Admission(config.max_in_flight)

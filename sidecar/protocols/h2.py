@@ -8,7 +8,7 @@ desynchronising the two ends. Until a peer has applied that setting, ``HeaderRea
 it with ``hpack``'s full decoder, and ``encode_stateless`` writes what it decoded again without
 any table, so those first blocks are editable too.
 
-Nothing here knows about gRPC; ``sidecar.grpc_relay`` builds on it.
+Nothing here knows about gRPC; ``sidecar.protocols.grpc_relay`` builds on it.
 """
 
 from __future__ import annotations

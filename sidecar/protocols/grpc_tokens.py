@@ -12,7 +12,7 @@ Per request message on the stream (its observation from ``Telemetry.begin``), ``
 - a mid-stream error is already the request's outcome (``server_error``, from its code); the
   tokens sent before it are counted.
 
-``streams`` is the LLM telemetry (``sidecar.llm.StreamTelemetry``); this module needs only its
+``streams`` is the LLM telemetry (``sidecar.core.streams.StreamTelemetry``); this module needs only its
 ``series(telemetry_series)``, the pre-resolved children ``ttft``, ``itl``, ``tpot`` and
 ``generation`` of a request's series. Unary calls never reach this module.
 """
@@ -23,7 +23,7 @@ import time
 from typing import Any
 
 from sidecar.apis.hooks import Stream, StreamEnd
-from sidecar.grpc_wire import response_has_text
+from sidecar.protocols.grpc_wire import response_has_text
 
 
 class TokenStream:
