@@ -15,20 +15,14 @@ import errno
 import os
 import re
 import shutil
-import signal
 import socket
-import subprocess
 import sys
 import sysconfig
-import time
 from pathlib import Path
-from types import TracebackType
-
-import httpx
 
 from inferwatch.contract import PORTS
 from inferwatch.paths import STATE_DIR_ENV, state_dir
-from inferwatch.process import die_with_parent
+from inferwatch.process import ManagedProcess, StartError, last_line
 from reference_server.catalog import MODEL_REPOSITORY
 from reference_server.defaults import TRITON_READY_TIMEOUT
 
@@ -39,7 +33,7 @@ OFFICIAL_BINARY = Path("/opt/tritonserver/bin/tritonserver")
 _LOAD_FAILURE = re.compile(r"failed to load '([^']+)' version (\d+): (.*?)\"?$")
 
 
-class LauncherError(Exception):
+class LauncherError(StartError):
     """A one-line, actionable reason why Triton could not start."""
 
 
@@ -144,12 +138,20 @@ def load_failure(log_text: str) -> str | None:
     return None
 
 
-class TritonServer:
-    """A Triton process: ``start()`` returns once every model is ready; ``stop()`` ends it.
+class TritonServer(ManagedProcess):
+    """A Triton process: ``start()`` returns once every model is ready; ``stop()`` ends it
+    (SIGTERM: Triton drains in-flight requests and stops its model stubs; then SIGKILL to any
+    stray backend stub, if Triton died abruptly).
 
     Use as a context manager. ``http_url``/``grpc_url`` are ``host:port`` (what tritonclient
     takes); ``metrics_url`` is the full ``http://host:port/metrics``.
     """
+
+    name = "Triton"
+    error = LauncherError
+    ready_poll = 0.2
+    stop_timeout = 30.0
+    log_path: Path  # always a file: Triton's log is how a failed start is explained
 
     def __init__(
         self,
@@ -169,12 +171,11 @@ class TritonServer:
         self.host = host
         self.http_port, self.grpc_port, self.metrics_port = http_port, grpc_port, metrics_port
         self.state_dir = Path(state_dir_path) if state_dir_path else state_dir()
-        self.log_path = Path(log_file) if log_file else self.state_dir / "triton" / "triton.log"
+        log_path = Path(log_file) if log_file else self.state_dir / "triton" / "triton.log"
+        super().__init__(log_path=log_path, ready_timeout=ready_timeout)
         self.faults_dir = self.state_dir / "faults"
         self.binary = binary
-        self.ready_timeout = ready_timeout
         self.extra_args = extra_args
-        self.proc: subprocess.Popen | None = None
 
     @property
     def http_url(self) -> str:
@@ -187,6 +188,10 @@ class TritonServer:
     @property
     def metrics_url(self) -> str:
         return f"http://{self.host}:{self.metrics_port}/metrics"
+
+    @property
+    def ready_url(self) -> str:
+        return f"http://{self.http_url}/v2/health/ready"
 
     def command(self, binary: Path, backend_dir: Path | None) -> list[str]:
         cmd = [
@@ -205,7 +210,7 @@ class TritonServer:
             cmd.append(f"--backend-directory={backend_dir}")
         return [*cmd, *self.extra_args]
 
-    def start(self) -> TritonServer:
+    def prepare(self) -> tuple[list[str], dict[str, str]]:
         if not self.model_repository.is_dir():
             raise LauncherError(f"model repository {self.model_repository} is not a directory")
         binary = find_binary(self.binary)
@@ -222,52 +227,16 @@ class TritonServer:
                 )
         backend_dir = prepare_backends(binary, self.state_dir / "triton" / "backends")
         self.faults_dir.mkdir(parents=True, exist_ok=True)
-        self.log_path.parent.mkdir(parents=True, exist_ok=True)
         env = triton_env(faults_dir=self.faults_dir)
         env[STATE_DIR_ENV] = str(self.state_dir)
-        with open(self.log_path, "wb") as log:
-            self.proc = subprocess.Popen(
-                die_with_parent(self.command(binary, backend_dir)),  # see inferwatch/process.py
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                stdin=subprocess.DEVNULL,
-                env=env,
-                start_new_session=True,  # Ctrl-C in a terminal reaches us; we stop Triton in order
-            )
-        try:
-            self._wait_ready()
-        except BaseException:
-            self.stop()
-            raise
-        return self
+        return self.command(binary, backend_dir), env
 
-    def _wait_ready(self) -> None:
-        assert self.proc is not None
-        url = f"http://{self.http_url}/v2/health/ready"
-        deadline = time.monotonic() + self.ready_timeout
-        with httpx.Client(timeout=2.0) as client:
-            while time.monotonic() < deadline:
-                if self.proc.poll() is not None:
-                    raise LauncherError(self._exit_reason(self.proc.returncode))
-                try:
-                    if client.get(url).status_code == 200:
-                        return
-                except httpx.HTTPError:
-                    pass
-                time.sleep(0.2)
-        failure = load_failure(self._log_text())
-        raise LauncherError(
-            (failure or f"Triton was not ready after {self.ready_timeout:g}s") + f" (log: {self.log_path})"
-        )
+    def timeout_reason(self) -> str:
+        failure = load_failure(self.log_text())
+        return (failure or f"Triton was not ready after {self.ready_timeout:g}s") + f" (log: {self.log_path})"
 
-    def _log_text(self) -> str:
-        try:
-            return self.log_path.read_text(errors="replace")
-        except OSError:
-            return ""
-
-    def _exit_reason(self, code: int) -> str:
-        text = self._log_text()
+    def exit_reason(self, code: int) -> str:
+        text = self.log_text()
         failure = load_failure(text)
         if failure:
             return f"{failure}; fix the model and start again (log: {self.log_path})"
@@ -276,40 +245,4 @@ class TritonServer:
                 f"Triton could not bind its ports ({self.http_port}/{self.grpc_port}/{self.metrics_port}); "
                 f"choose free ones (log: {self.log_path})"
             )
-        last = next((ln.strip() for ln in reversed(text.splitlines()) if ln.strip()), "no output")
-        return f"Triton exited with code {code} before it was ready: {last[:300]} (log: {self.log_path})"
-
-    def running(self) -> bool:
-        return self.proc is not None and self.proc.poll() is None
-
-    def wait(self) -> int:
-        """Block until Triton exits; its exit code."""
-        assert self.proc is not None
-        return self.proc.wait()
-
-    def stop(self, timeout: float = 30.0) -> int | None:
-        """SIGTERM to Triton (it drains in-flight requests and stops its model stubs), SIGKILL
-        after ``timeout``; then whatever is left of its process group."""
-        proc = self.proc
-        if proc is None:
-            return None
-        if proc.poll() is None:
-            proc.terminate()
-            try:
-                proc.wait(timeout)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
-        try:
-            os.killpg(proc.pid, signal.SIGKILL)  # stray backend stubs, if Triton died abruptly
-        except (ProcessLookupError, PermissionError):
-            pass
-        return proc.returncode
-
-    def __enter__(self) -> TritonServer:
-        return self.start()
-
-    def __exit__(
-        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
-    ) -> None:
-        self.stop()
+        return f"Triton exited with code {code} before it was ready: {last_line(text)} (log: {self.log_path})"

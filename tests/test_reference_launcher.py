@@ -17,7 +17,7 @@ import pytest
 
 from reference_server import catalog, faults
 from reference_server.launcher import LauncherError, TritonServer
-from tests.fixtures.net import free_port, inferwatch_cmd, wait_http
+from tests.fixtures.net import alive, free_port, inferwatch_cmd, wait_http
 
 pytestmark = pytest.mark.integration
 
@@ -206,14 +206,6 @@ def test_starts_beside_live_grpc_threads_and_dies_with_its_parent(tmp_path: Path
     assert lines[-1].startswith("left running"), f"{lines}\n{err[-3000:]}"
     orphan = int(lines[-1].split()[-1])
     deadline = time.monotonic() + 30
-    while _alive(orphan) and time.monotonic() < deadline:
+    while alive(orphan) and time.monotonic() < deadline:
         time.sleep(0.1)
-    assert not _alive(orphan), "Triton outlived the process that started it"
-
-
-def _alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as fh:
-            return fh.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False
+    assert not alive(orphan), "Triton outlived the process that started it"

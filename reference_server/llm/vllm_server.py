@@ -19,16 +19,10 @@ and in ``scripts/bootstrap``:
 from __future__ import annotations
 
 import os
-import signal
-import subprocess
-import time
 from pathlib import Path
-from types import TracebackType
-
-import httpx
 
 from inferwatch.contract import PORTS
-from inferwatch.process import die_with_parent
+from inferwatch.process import ManagedProcess
 from reference_server.launcher import LauncherError, port_in_use
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -68,8 +62,16 @@ def check_model(model_dir: Path) -> None:
         )
 
 
-class VllmServer:
-    """One vLLM API server (and the engine and worker processes it spawns) as a context manager."""
+class VllmServer(ManagedProcess):
+    """One vLLM API server (and the engine and worker processes it spawns) as a context manager.
+
+    ``stop()`` sends SIGTERM to the API server (it stops its engine and worker), SIGKILL after
+    ``stop_timeout``, then to whatever is left of its process group."""
+
+    name = "vLLM"
+    error = LauncherError
+    ready_poll = 0.5
+    stop_timeout = 20.0
 
     def __init__(
         self,
@@ -86,21 +88,24 @@ class VllmServer:
         ready_timeout: float = 240.0,
         extra_args: tuple[str, ...] = (),
     ) -> None:
+        super().__init__(log_path=Path(log_file) if log_file else None, ready_timeout=ready_timeout)
         self.model_dir = Path(model_dir).resolve()
         self.served_names = served_names
         self.host, self.port = host, port
         self.kv_cache_gib = kv_cache_gib
         self.max_model_len = max_model_len
         self.kv_cache_blocks = kv_cache_blocks
-        self.log_path = Path(log_file) if log_file else None
         self.python = python
-        self.ready_timeout = ready_timeout
         self.extra_args = extra_args
-        self.proc: subprocess.Popen | None = None
 
     @property
     def url(self) -> str:
         return f"http://{self.host}:{self.port}"
+
+    @property
+    def ready_url(self) -> str:
+        # /v1/models answers only once the engine is up; /health can answer earlier.
+        return f"{self.url}/v1/models"
 
     def command(self, python: Path) -> list[str]:
         return [
@@ -132,7 +137,7 @@ class VllmServer:
         env.setdefault("TRANSFORMERS_OFFLINE", "1")
         return env
 
-    def start(self) -> VllmServer:
+    def prepare(self) -> tuple[list[str], dict[str, str]]:
         python = find_python(self.python)
         check_model(self.model_dir)
         if port_in_use(self.host, self.port):
@@ -140,87 +145,4 @@ class VllmServer:
                 f"port {self.host}:{self.port} is already in use; stop what listens there (another vLLM?) "
                 "or choose another with --port"
             )
-        out = subprocess.DEVNULL
-        if self.log_path is not None:
-            self.log_path.parent.mkdir(parents=True, exist_ok=True)
-            out = open(self.log_path, "wb")  # closed below, once the child holds it
-        try:
-            self.proc = subprocess.Popen(
-                die_with_parent(self.command(python)),
-                stdout=out,
-                stderr=subprocess.STDOUT,
-                stdin=subprocess.DEVNULL,
-                env=self.environment(),
-                start_new_session=True,  # its engine and worker share the group: stop() ends all three
-            )
-        finally:
-            if out is not subprocess.DEVNULL:
-                out.close()
-        try:
-            self._wait_ready()
-        except BaseException:
-            self.stop()
-            raise
-        return self
-
-    def _wait_ready(self) -> None:
-        assert self.proc is not None
-        deadline = time.monotonic() + self.ready_timeout
-        with httpx.Client(timeout=2.0) as client:
-            while time.monotonic() < deadline:
-                if self.proc.poll() is not None:
-                    raise LauncherError(
-                        f"vLLM exited with code {self.proc.returncode} before ready: {self._last_line()}"
-                    )
-                try:
-                    # /v1/models answers only once the engine is up; /health can answer earlier.
-                    if client.get(f"{self.url}/v1/models").status_code == 200:
-                        return
-                except httpx.HTTPError:
-                    pass
-                time.sleep(0.5)
-        raise LauncherError(f"vLLM was not ready after {self.ready_timeout:g}s: {self._last_line()}")
-
-    def _last_line(self) -> str:
-        if self.log_path is None:
-            return "no log (pass a log file)"
-        try:
-            text = self.log_path.read_text(errors="replace")
-        except OSError:
-            return f"no log at {self.log_path}"
-        last = next((ln.strip() for ln in reversed(text.splitlines()) if ln.strip()), "no output")
-        return f"{last[:300]} (log: {self.log_path})"
-
-    def running(self) -> bool:
-        return self.proc is not None and self.proc.poll() is None
-
-    def wait(self) -> int:
-        assert self.proc is not None
-        return self.proc.wait()
-
-    def stop(self, timeout: float = 20.0) -> int | None:
-        """SIGTERM to the API server (it stops its engine and worker), SIGKILL after ``timeout``,
-        then whatever is left of its process group."""
-        proc = self.proc
-        if proc is None:
-            return None
-        if proc.poll() is None:
-            proc.terminate()
-            try:
-                proc.wait(timeout)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
-        try:
-            os.killpg(proc.pid, signal.SIGKILL)
-        except (ProcessLookupError, PermissionError):
-            pass
-        return proc.returncode
-
-    def __enter__(self) -> VllmServer:
-        return self.start()
-
-    def __exit__(
-        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
-    ) -> None:
-        self.stop()
+        return self.command(python), self.environment()
