@@ -69,16 +69,19 @@ class LoopThread:
 
 
 class InProcessProxy:
-    """``GrpcProxy`` with a real ``Telemetry``, served from the shared event-loop thread."""
+    """One gRPC engine with a real ``Telemetry``, served from the shared event-loop thread;
+    ``settings`` are ``SidecarConfig`` fields (``request_timeout``, ``max_in_flight``, ...)."""
 
     def __init__(
-        self, loop: asyncio.AbstractEventLoop, engine: str, upstream: str, tracer=None, **kwargs
+        self, loop: asyncio.AbstractEventLoop, engine: str, upstream: str, tracer=None, **settings
     ) -> None:
+        host, _, port = upstream.rpartition(":")
+        config = SidecarConfig(upstream_grpc=(host.strip("[]"), int(port)), **settings)
         self.registry = CollectorRegistry()
-        self.telemetry = Telemetry(self.registry, SidecarConfig(), tracer)
+        self.telemetry = Telemetry(self.registry, config, tracer)
         self.loop = loop
         self.engine = engine
-        self.proxy = (GrpcRelay if engine == "relay" else GrpcProxy)(upstream, self.telemetry, **kwargs)
+        self.proxy = (GrpcRelay if engine == "relay" else GrpcProxy)(config, self.telemetry)
         self.url = f"127.0.0.1:{self.run(self.proxy.start('127.0.0.1', 0))}"
 
     def run(self, coro, timeout: float = 30.0):
@@ -530,7 +533,7 @@ def test_stream_injected_errors_and_triton_grpc_error_metadata(triton, clients, 
 
 def test_client_deadline_and_proxy_timeout(loop, engine, triton, served) -> None:
     fault(triton.state_dir, "set", "--model", "ranker", "--version", "1", "--extra-latency-ms", "4000")
-    short = InProcessProxy(loop, engine, triton.grpc_url, timeout_s=0.3)
+    short = InProcessProxy(loop, engine, triton.grpc_url, request_timeout=0.3)
     long = InProcessProxy(loop, engine, triton.grpc_url)
     try:
         short.serve_models(served)
@@ -582,7 +585,7 @@ def test_client_cancel_is_counted_and_releases_the_request(triton, proxy) -> Non
 
 
 def test_message_size_limit(loop, engine, triton, served) -> None:
-    small = InProcessProxy(loop, engine, triton.grpc_url, max_message_bytes=64 * 1024)
+    small = InProcessProxy(loop, engine, triton.grpc_url, max_body_bytes=64 * 1024)
     try:
         small.serve_models(served)
         client = tgrpc.InferenceServerClient(small.url)
@@ -598,7 +601,7 @@ def test_message_size_limit(loop, engine, triton, served) -> None:
 
 
 def test_in_flight_limit_gives_the_fixed_overload_answer_and_counts_it(loop, engine, triton, served) -> None:
-    limited = InProcessProxy(loop, engine, triton.grpc_url, max_concurrent_rpcs=1)
+    limited = InProcessProxy(loop, engine, triton.grpc_url, max_in_flight=1)
     fault(triton.state_dir, "set", "--model", "ranker", "--version", "1", "--extra-latency-ms", "3000")
     try:
         limited.serve_models(served)
@@ -623,7 +626,7 @@ def test_in_flight_limit_gives_the_fixed_overload_answer_and_counts_it(loop, eng
 
 def test_dead_upstream_is_unavailable_fast_counted_and_recovers(loop, engine, processes, tmp_path) -> None:
     port = free_port()
-    p = InProcessProxy(loop, engine, f"127.0.0.1:{port}", connect_timeout_s=0.5)
+    p = InProcessProxy(loop, engine, f"127.0.0.1:{port}", connect_timeout=0.5)
     try:
         client = tgrpc.InferenceServerClient(p.url)
         for _ in range(5):

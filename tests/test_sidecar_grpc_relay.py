@@ -153,7 +153,7 @@ def test_blocks_sent_before_the_settings_exchange_are_edited_and_limited(loop, t
     the server's SETTINGS: the relay still adds its grpc-timeout (Triton ends the slow call at the
     sidecar's timeout) and still applies the in-flight limit (the second call is refused)."""
     fault(triton.state_dir, "set", "--model", "ranker", "--version", "1", "--extra-latency-ms", "3000")
-    p = InProcessProxy(loop, "relay", triton.grpc_url, timeout_s=0.8, max_concurrent_rpcs=1)
+    p = InProcessProxy(loop, "relay", triton.grpc_url, request_timeout=0.8, max_in_flight=1)
     try:
         p.serve_models(served)
         encoder = hpack.Encoder()  # dynamic table on (4096 bytes), as every client starts

@@ -146,7 +146,9 @@ class TokenProxy:
         self.loop = loop
         self.m = Metrics()
         cls = GrpcRelay if engine == "relay" else GrpcProxy
-        self.proxy = cls(upstream, self.m.telemetry, streams=self.m.streams)
+        host, _, port = upstream.rpartition(":")
+        config = SidecarConfig(upstream_grpc=(host, int(port)))
+        self.proxy = cls(config, self.m.telemetry, streams=self.m.streams)
         port = asyncio.run_coroutine_threadsafe(self.proxy.start("127.0.0.1", 0), loop).result(30)
         self.url = f"127.0.0.1:{port}"
 

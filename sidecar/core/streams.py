@@ -1,12 +1,13 @@
 """Token-stream telemetry: what the generative API modules report, turned into the contract's
 LLM metrics (DESIGN.md, "Generative (LLM) serving") and the span's GenAI attributes.
 
-The transport knows only this module's two entry points and the per-request object's few
+The transport knows only this module's entry points and the per-request object's few
 calls, never an API's format (STYLE.md point 11)::
 
     streams = StreamTelemetry(registry, config, telemetry, classify)  # once; classify: sidecar.apis.routes
     api = streams.classify(path)            # once per distinct path (the proxy caches it); None: KServe
     st = streams.begin(api, req)            # per generative request (req: telemetry.Request)
+    hooks = streams.token_stream(req)       # or: a transport that counts the tokens (gRPC streams)
     st.request_body(chunk)                  # each body chunk as it goes upstream: the model, when in the body
     st.request_end()
     st.response_head(status, headers)       # picks the answer's observer (2xx only)
@@ -141,6 +142,12 @@ class StreamTelemetry:
             req.span.set_attribute("gen_ai.operation.name", api.operation)
         return StreamExchange(self, api, req)
 
+    def token_stream(self, req: Request) -> StreamExchange:
+        """The hooks of a generative request whose tokens the transport counts itself (gRPC
+        ``ModelStreamInfer``: one response per token, ``sidecar.protocols.grpc_tokens``): the
+        same recording as an HTTP stream's, with no body to read."""
+        return StreamExchange(self, None, req)
+
 
 class StreamExchange:
     """One generative request: the API module's hooks and what the transport feeds it."""
@@ -151,7 +158,7 @@ class StreamExchange:
         self.st = st
         self.api = api
         self.req = req
-        self.scan = api.model_scan()
+        self.scan = api.model_scan() if api is not None else None
         self.answer: Any = None
         self.client_left = False
 

@@ -37,6 +37,7 @@ import grpc
 import grpc.aio
 
 from inferwatch.contract import MODEL_NONE, PROTOCOL_GRPC
+from sidecar.config import SidecarConfig
 from sidecar.core.admission import Admission
 from sidecar.core.health import UpstreamHealth
 from sidecar.core.telemetry import UPSTREAM_GRPC
@@ -98,31 +99,28 @@ class GrpcProxy:
 
     def __init__(
         self,
-        upstream: str,
+        config: SidecarConfig,
         telemetry: Any,
         *,
-        timeout_s: float = 60.0,
-        max_message_bytes: int = 256 * 1024 * 1024,
-        max_concurrent_rpcs: int | None = None,
-        connect_timeout_s: float = 2.0,
         admission: Admission | None = None,
         streams: Any = None,
         health: UpstreamHealth | None = None,
     ) -> None:
-        self.upstream = upstream
+        # Every setting comes from the sidecar's configuration, the one home of their defaults.
+        self.upstream = upstream_target(config.upstream_grpc)
         self._tel = telemetry
-        self._timeout = timeout_s
+        self._timeout = config.request_timeout
         # Calls past its limit get the one fixed overload answer (RESOURCE_EXHAUSTED); shared
         # with the other proxies (sidecar.main), so the limit is the process's total.
-        self.admission = admission if admission is not None else Admission(max_concurrent_rpcs or 0)
+        self.admission = admission if admission is not None else Admission(config.max_in_flight)
         # The LLM telemetry (sidecar.core.streams): ModelStreamInfer's token timing; None: not recorded.
         self.streams = streams
         # The one writer of upstream_up, shared (sidecar.main runs its probe), or this proxy's own.
         self._own_health = health is None
-        self.health = health or UpstreamHealth(telemetry, {}, connect_timeout_s)
-        host, _, port = upstream.rpartition(":")
+        self.health = health or UpstreamHealth(telemetry, {}, config.connect_timeout)
         # The channel is this upstream's probe (it reconnects by itself): none from health.
-        self.health.add(UPSTREAM_GRPC, (host.strip("[]"), int(port)), probe=False)
+        self.health.add(UPSTREAM_GRPC, config.upstream_grpc, probe=False)
+        max_message_bytes, connect_timeout_s = config.max_body_bytes, config.connect_timeout
         size_options = [
             ("grpc.max_receive_message_length", max_message_bytes),
             ("grpc.max_send_message_length", max_message_bytes),
@@ -490,7 +488,7 @@ ENGINES = ("relay", "aio")
 
 
 async def serve(
-    config: Any,
+    config: SidecarConfig,
     telemetry: Any,
     admission: Admission | None = None,
     streams: Any = None,
@@ -498,32 +496,24 @@ async def serve(
 ) -> Any:
     """Start the gRPC proxy as ``sidecar.main`` configures it; the caller awaits ``stop(grace)``.
 
-    Engine: ``config.grpc_engine`` when the configuration has it, else ``relay`` (the HTTP/2
-    frame relay of ``sidecar.protocols.grpc_relay``, several times cheaper); ``aio`` is this module's
-    grpc.aio proxy. Message-size limit: ``max_body_bytes``; concurrent calls: ``admission``
-    (shared with the HTTP proxy; without one, ``max_in_flight`` for this side alone), beyond it
+    Engine: ``config.grpc_engine``: ``relay`` (the HTTP/2 frame relay of
+    ``sidecar.protocols.grpc_relay``, several times cheaper) or ``aio``, this module's grpc.aio
+    proxy. Both take every setting from ``config``. Message-size limit: ``max_body_bytes``;
+    concurrent calls: ``admission`` (shared with the HTTP proxy; without one, ``max_in_flight``
+    for this side alone), beyond it
     the counted RESOURCE_EXHAUSTED answer; ``streams``: the LLM telemetry (``sidecar.core.streams``) that
     ``ModelStreamInfer``'s token timing goes to (None: not recorded); per-request timeout:
     ``request_timeout``; the upstream is retried within ``connect_timeout`` of coming back;
     ``health``: the sidecar's ``UpstreamHealth`` (its probe run by the caller), else the proxy's own.
     """
-    engine = getattr(config, "grpc_engine", "relay")
+    engine = config.grpc_engine
     if engine not in ENGINES:
         raise ValueError(f"grpc engine {engine!r} is not one of {', '.join(ENGINES)}")
-    kwargs = {
-        "timeout_s": config.request_timeout,
-        "max_message_bytes": config.max_body_bytes,
-        "max_concurrent_rpcs": config.max_in_flight,
-        "connect_timeout_s": config.connect_timeout,
-        "admission": admission,
-        "streams": streams,
-        "health": health,
-    }
     if engine == "relay":
         from sidecar.protocols.grpc_relay import GrpcRelay
 
-        proxy: Any = GrpcRelay(upstream_target(config.upstream_grpc), telemetry, **kwargs)
+        proxy: Any = GrpcRelay(config, telemetry, admission=admission, streams=streams, health=health)
     else:
-        proxy = GrpcProxy(upstream_target(config.upstream_grpc), telemetry, **kwargs)
+        proxy = GrpcProxy(config, telemetry, admission=admission, streams=streams, health=health)
     await proxy.start(config.host, config.grpc_port)
     return proxy

@@ -42,9 +42,25 @@ EXTRA_UNARY_PATHS = ("/grpc.health.v1.Health/Check",)
 
 # Status code number -> name (the metrics' ``code`` label), from the one table in telemetry.
 CODE_NAMES = {number: name for name, number in GRPC_CODES.items()}
+# The code names the sidecar itself writes or maps to: the one place they are spelled.
 OK, CANCELLED, INVALID_ARGUMENT, NOT_FOUND = "OK", "CANCELLED", "INVALID_ARGUMENT", "NOT_FOUND"
 DEADLINE_EXCEEDED, RESOURCE_EXHAUSTED = "DEADLINE_EXCEEDED", "RESOURCE_EXHAUSTED"
 INTERNAL, UNAVAILABLE, UNKNOWN = "INTERNAL", "UNAVAILABLE", "UNKNOWN"
+UNAUTHENTICATED, PERMISSION_DENIED, UNIMPLEMENTED = "UNAUTHENTICATED", "PERMISSION_DENIED", "UNIMPLEMENTED"
+assert {
+    OK,
+    CANCELLED,
+    INVALID_ARGUMENT,
+    NOT_FOUND,
+    DEADLINE_EXCEEDED,
+    RESOURCE_EXHAUSTED,
+    INTERNAL,
+    UNAVAILABLE,
+    UNKNOWN,
+    UNAUTHENTICATED,
+    PERMISSION_DENIED,
+    UNIMPLEMENTED,
+} <= GRPC_CODES.keys()
 
 # Triton drops the status code of an error inside ModelStreamInfer and sends only its message
 # (unless the client asks for ``triton_grpc_error``, which ends the stream with the real

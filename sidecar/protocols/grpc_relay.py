@@ -14,6 +14,7 @@ import socket
 import time
 from typing import Any
 
+from sidecar.config import SidecarConfig
 from sidecar.core.admission import Admission
 from sidecar.core.health import UpstreamHealth
 from sidecar.core.telemetry import GRPC_CODES, UPSTREAM_GRPC
@@ -34,25 +35,21 @@ class GrpcRelay:
 
     def __init__(
         self,
-        upstream: str,
+        config: SidecarConfig,
         telemetry: Any,
         *,
-        timeout_s: float = 60.0,
-        max_message_bytes: int = 256 * 1024 * 1024,
-        max_concurrent_rpcs: int | None = None,
-        connect_timeout_s: float = 2.0,
         admission: Admission | None = None,
         streams: Any = None,
         health: UpstreamHealth | None = None,
     ) -> None:
-        host, _, port = upstream.rpartition(":")
-        self.upstream = (host.strip("[]"), int(port))
+        # Every setting comes from the sidecar's configuration, the one home of their defaults.
+        self.upstream = config.upstream_grpc
         self.tel = telemetry
-        self.timeout = timeout_s
-        self.max_message = max_message_bytes
+        self.timeout = config.request_timeout
+        self.max_message = config.max_body_bytes
         # Shared with the other proxies (sidecar.main): the limit is the process's total.
-        self.admission = admission if admission is not None else Admission(max_concurrent_rpcs or 0)
-        self.connect_timeout = connect_timeout_s
+        self.admission = admission if admission is not None else Admission(config.max_in_flight)
+        self.connect_timeout = config.connect_timeout
         # The LLM telemetry (sidecar.core.streams): ModelStreamInfer's token timing; None: not recorded.
         self.streams = streams
         self.conns: set[Any] = set()  # grpc_relay_conn._Conn
@@ -61,7 +58,7 @@ class GrpcRelay:
         self._server: asyncio.AbstractServer | None = None
         # The one writer of upstream_up, shared (sidecar.main runs its probe), or this relay's own.
         self._own_health = health is None
-        self.health = health or UpstreamHealth(telemetry, {}, connect_timeout_s)
+        self.health = health or UpstreamHealth(telemetry, {}, config.connect_timeout)
         self.health.add(UPSTREAM_GRPC, self.upstream)
         self.port = 0
 

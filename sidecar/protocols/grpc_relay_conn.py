@@ -54,11 +54,21 @@ from inferwatch.contract import MODEL_NONE, PROTOCOL_GRPC
 from sidecar.core.telemetry import GRPC_CODES
 from sidecar.protocols.grpc_calls import OTHER, STREAM, UNARY, Call
 from sidecar.protocols.grpc_methods import (
+    CANCELLED,
     CODE_NAMES,
+    DEADLINE_EXCEEDED,
+    INTERNAL,
+    OK,
+    PERMISSION_DENIED,
+    RESOURCE_EXHAUSTED,
     SERVICE,
     STREAM_FIELDS,
     STREAM_METHOD,
     UNARY_METHODS,
+    UNAUTHENTICATED,
+    UNAVAILABLE,
+    UNIMPLEMENTED,
+    UNKNOWN,
     stream_error_code,
 )
 from sidecar.protocols.grpc_tokens import StreamTokens
@@ -107,10 +117,8 @@ LINGER_S = 2.0
 # for its message) before the relay stops reading the client.
 MAX_HELD_BYTES = 4 * 1024 * 1024
 
-OK, CANCELLED, UNKNOWN, INTERNAL = "OK", "CANCELLED", "UNKNOWN", "INTERNAL"
-UNAVAILABLE, DEADLINE_EXCEEDED, RESOURCE_EXHAUSTED = "UNAVAILABLE", "DEADLINE_EXCEEDED", "RESOURCE_EXHAUSTED"
 # gRPC over HTTP: a non-200 answer without grpc-status maps to a code (gRPC's http-grpc-status-mapping).
-_HTTP_TO_GRPC = {400: INTERNAL, 401: "UNAUTHENTICATED", 403: "PERMISSION_DENIED", 404: "UNIMPLEMENTED"}
+_HTTP_TO_GRPC = {400: INTERNAL, 401: UNAUTHENTICATED, 403: PERMISSION_DENIED, 404: UNIMPLEMENTED}
 _HTTP_UNAVAILABLE = frozenset({429, 502, 503, 504})
 # An upstream's RST_STREAM error code -> the call's code.
 _RESET_CODES = {CANCEL: CANCELLED, REFUSED_STREAM: UNAVAILABLE}
@@ -300,15 +308,11 @@ class _Conn:
             return
         self.relay.upstream_state(False, exc)
         self.held, self.holes = None, 0
-        out = []
-        for sid, st in list(self.streams.items()):
-            if not st.dropped:
-                self._release(st)
-                self._finish(st, UNAVAILABLE)
-                trailers = _trailers(
-                    UNAVAILABLE, "inferwatch sidecar: upstream connection lost", not st.headers_out
-                )
-                out.append(frame(HEADERS, END_HEADERS | END_STREAM, sid, trailers))
+        out = [
+            self._end_here(sid, st, UNAVAILABLE, "inferwatch sidecar: upstream connection lost")
+            for sid, st in self.streams.items()
+            if not st.dropped
+        ]
         self.streams.clear()
         # From here the relay answers this client itself: calls it already sent are answered
         # UNAVAILABLE (counted), later ones are refused by GOAWAY and retried elsewhere.
@@ -348,12 +352,8 @@ class _Conn:
         out = []
         try:
             for sid, st in self.streams.items():
-                if st.dropped:
-                    continue
-                self._release(st)
-                self._finish(st, INTERNAL)
-                trailers = _trailers(INTERNAL, "inferwatch sidecar: relay failure", not st.headers_out)
-                out.append(frame(HEADERS, END_HEADERS | END_STREAM, sid, trailers))
+                if not st.dropped:
+                    out.append(self._end_here(sid, st, INTERNAL, "inferwatch sidecar: relay failure"))
         except Exception:
             log.exception("grpc relay failure while closing its calls")
         self.streams.clear()
@@ -745,25 +745,26 @@ class _Conn:
     def _finish_over_limit(self, sid: int, st: Call, model: str, version: str, out: list) -> None:
         out.append(frame(RST_STREAM, 0, sid, CANCEL.to_bytes(4, "big")))
         st.dropped = True
-        self._release(st)
         if st.kind == STREAM:
             assert st.pending is not None
             st.pending.add("", self._begin(st, model, version), 0)
         elif st.obs is None:
             st.obs = self._begin(st, model, version)
-        self._finish(st, RESOURCE_EXHAUSTED)
         message = f"inferwatch sidecar: message larger than {self.relay.max_message} bytes"
         self._write_client(
-            frame(
-                HEADERS,
-                END_HEADERS | END_STREAM,
-                sid,
-                _trailers(RESOURCE_EXHAUSTED, message, not st.headers_out),
-            )
+            self._end_here(sid, st, RESOURCE_EXHAUSTED, message)
             + frame(RST_STREAM, 0, sid, NO_ERROR.to_bytes(4, "big"))
         )
 
     # ---------------------------------------------------------------- the relay's own answers
+    def _end_here(self, sid: int, st: Call, code: str, message: str) -> bytes:
+        """End a call in flight with the relay's own ``code``: its admission released, its
+        observations closed, and the trailers for the client returned (trailers-only when no
+        response headers went out)."""
+        self._release(st)
+        self._finish(st, code)
+        return frame(HEADERS, END_HEADERS | END_STREAM, sid, _trailers(code, message, not st.headers_out))
+
     def _unavailable_message(self) -> str:
         host, port = self.relay.upstream
         return f"inferwatch sidecar: upstream {host}:{port} unavailable"
@@ -922,13 +923,8 @@ class _Conn:
         out = []
         for sid, st in list(self.streams.items()):
             if sid > last and not st.dropped:
-                self._release(st)
-                self._finish(st, UNAVAILABLE)
+                out.append(self._end_here(sid, st, UNAVAILABLE, "inferwatch sidecar: upstream shutting down"))
                 st.dropped = True  # the upstream's later frames for it are dropped
-                trailers = _trailers(
-                    UNAVAILABLE, "inferwatch sidecar: upstream shutting down", not st.headers_out
-                )
-                out.append(frame(HEADERS, END_HEADERS | END_STREAM, sid, trailers))
         self.upstream_last = last  # later calls are answered by the relay itself
         out.append(frame(GOAWAY, 0, 0, MAX_STREAM_ID.to_bytes(4, "big") + payload[4:]))
         return b"".join(out)
