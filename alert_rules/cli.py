@@ -9,8 +9,7 @@ import sys
 from pathlib import Path
 
 from inferwatch.cli import CliError
-
-DEFAULT_SPEC = "fleet.yaml"
+from inferwatch.paths import DEFAULT_SPEC
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -162,13 +161,10 @@ def _alerts(args: argparse.Namespace) -> int:
 
 def _max_silence(spec_arg: str | None) -> tuple[str, float]:
     """silences.max_duration from --spec, else fleet.yaml when there is one, else the default."""
-    from inferwatch.spec import FleetSpec, duration_seconds
+    from inferwatch.spec import duration_seconds
 
-    if spec_arg is None and not Path(DEFAULT_SPEC).exists():
-        text, source = FleetSpec().silences.max_duration, "the built-in default"
-    else:
-        spec_path = spec_arg or DEFAULT_SPEC
-        text, source = _load(spec_path).silences.max_duration, spec_path
+    text = _load(spec_arg, if_none="default-if-present").silences.max_duration
+    source = spec_arg or (DEFAULT_SPEC if Path(DEFAULT_SPEC).exists() else "the built-in default")
     return f"silences.max_duration {text} of {source}", duration_seconds(text)
 
 
@@ -375,11 +371,11 @@ def _register_rules(sub: argparse._SubParsersAction) -> None:
     build.set_defaults(func=_rules_build)
 
 
-def _load(spec_path: str):
-    from inferwatch.spec import SpecError, load_spec
+def _load(spec_path: str | None, if_none: str = "default"):
+    from inferwatch.spec import SpecError, load_spec_for_cli
 
     try:
-        return load_spec(spec_path)
+        return load_spec_for_cli(spec_path, if_none=if_none)
     except SpecError as exc:
         raise CliError(str(exc), code=2) from None
 

@@ -6,8 +6,7 @@ import argparse
 from pathlib import Path
 
 from inferwatch.cli import CliError
-
-DEFAULT_SPEC = "fleet.yaml"
+from inferwatch.paths import DEFAULT_SPEC
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -80,10 +79,10 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 def _load(spec_path: str):
     from alert_rules.config import MissingSetting, RulesConfig
-    from inferwatch.spec import SpecError, load_spec
+    from inferwatch.spec import SpecError, load_spec_for_cli
 
     try:
-        spec = load_spec(spec_path)
+        spec = load_spec_for_cli(spec_path)
         # The panels read the alert settings through the rules' config: refuse what it refuses,
         # before anything is written.
         RulesConfig.from_spec(spec)

@@ -29,7 +29,8 @@ from alert_rules.generate import RULES_HEADER, prometheus_rule, rule_groups  # n
 from dashboards import build as dashboards_build  # noqa: E402
 from inferwatch import contract as c  # noqa: E402
 from inferwatch.canary import templates as canary_templates  # noqa: E402
-from inferwatch.spec import FleetSpec, SpecError, load_spec  # noqa: E402
+from inferwatch.paths import DEFAULT_SPEC  # noqa: E402
+from inferwatch.spec import FleetSpec, SpecError, load_spec_for_cli  # noqa: E402
 from inferwatch.stack.config import local_routing, prometheus_config  # noqa: E402
 
 DEPLOY = ROOT / "deploy"
@@ -174,7 +175,7 @@ def k8s_sidecar_spec(spec_path: Path) -> str:
 
 def outputs(spec_path: Path) -> dict[Path, str]:
     """Every file this script owns, with the text it must hold."""
-    spec = load_spec(spec_path)
+    spec = load_spec_for_cli(spec_path)
     makers: dict[Path, Callable[[], str]] = {
         DOCKER / "prometheus.yml": lambda: compose_prometheus(spec),
         DOCKER / "prometheus.no-llm.yml": lambda: compose_prometheus(spec, llm=False),
@@ -203,7 +204,12 @@ def main(argv: list[str] | None = None) -> int:
         prog="deploy/sync.py",
         description="Render the docker-compose and Kubernetes files that derive from the fleet spec.",
     )
-    parser.add_argument("--spec", default=str(ROOT / "fleet.yaml"), help="fleet spec (default: fleet.yaml)")
+    # The repository's spec, wherever the script is run from: the files it writes are the repository's.
+    parser.add_argument(
+        "--spec",
+        default=str(ROOT / DEFAULT_SPEC),
+        help=f"fleet spec (default: the repository's {DEFAULT_SPEC})",
+    )
     parser.add_argument("--check", action="store_true", help="write nothing; exit 1 if a file is stale")
     args = parser.parse_args(argv)
     try:

@@ -15,6 +15,8 @@ from typing import Annotated, Literal
 import yaml
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError, model_validator
 
+from inferwatch.paths import DEFAULT_SPEC
+
 _DURATION_RE = re.compile(r"^(?:(\d+)d)?(?:(\d+)h)?(?:(\d+)m)?(?:(\d+)s)?(?:(\d+)ms)?$")
 _UNIT_SECONDS = (86400, 3600, 60, 1, 0.001)
 
@@ -373,7 +375,7 @@ def _reason(err: dict) -> str:
     return msg.replace("Input should be", "must be").replace("Field required", "required field is missing")
 
 
-def parse_spec(data: object, source: str = "fleet.yaml") -> FleetSpec:
+def parse_spec(data: object, source: str = DEFAULT_SPEC) -> FleetSpec:
     """Validate already-loaded YAML data; raises SpecError with one line per the contract."""
     if data is None:
         data = {}
@@ -414,3 +416,23 @@ def load_spec(path: str | Path) -> FleetSpec:
         problem = getattr(exc, "problem", None) or "invalid YAML"
         raise SpecError(f"{path}: {where}invalid YAML: {problem}") from None
     return parse_spec(data, str(path))
+
+
+def load_spec_for_cli(
+    path: str | Path | None,
+    *,
+    if_none: Literal["default", "default-if-present", "built-in"] = "default",
+) -> FleetSpec:
+    """The spec a command was given, read the one way every command reads it (the inferwatch
+    CLIs, the sidecar and its SIGHUP reload, the stack, deploy/sync.py). A named ``path`` must
+    exist. Without one, ``if_none`` says what applies: ``default`` reads DEFAULT_SPEC
+    (fleet.yaml in the working directory), which must exist; ``default-if-present`` reads it
+    when it exists, else the built-in defaults (for commands that mostly need none); ``built-in``
+    never looks for it (the sidecar: a daemon must not pick up whatever fleet.yaml sits in its
+    working directory). Raises SpecError, whose text is the one line to print: the file, the
+    line or field, the reason and, where there is one, what to do."""
+    if path is None or str(path) == "":
+        if if_none == "built-in" or (if_none == "default-if-present" and not Path(DEFAULT_SPEC).exists()):
+            return FleetSpec()
+        path = DEFAULT_SPEC
+    return load_spec(path)

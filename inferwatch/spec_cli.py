@@ -5,9 +5,8 @@ from __future__ import annotations
 import argparse
 import sys
 
-from inferwatch.spec import SpecError, duration_seconds, load_spec
-
-DEFAULT_SPEC = "fleet.yaml"
+from inferwatch.paths import DEFAULT_SPEC
+from inferwatch.spec import SpecError, duration_seconds, load_spec_for_cli
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -27,7 +26,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 def _check(args: argparse.Namespace) -> int:
     try:
-        spec = load_spec(args.file)
+        spec = load_spec_for_cli(args.file)
     except SpecError as exc:
         print(exc, file=sys.stderr)
         return 2

@@ -14,9 +14,8 @@ import argparse
 import os
 import re
 from dataclasses import dataclass, field
-from pathlib import Path
 
-from inferwatch.spec import FleetSpec, SpecError, load_spec
+from inferwatch.spec import FleetSpec, SpecError, load_spec_for_cli
 
 ENV_PREFIX = "INFERWATCH_"
 
@@ -315,12 +314,10 @@ def from_args(args: argparse.Namespace, environ: dict[str, str] | None = None) -
             raise ConfigError(f"{source}: {msg}") from None
 
     spec_path = values.pop("spec")
-    spec = FleetSpec()
-    if spec_path:
-        try:
-            spec = load_spec(Path(str(spec_path)))
-        except SpecError as exc:
-            raise ConfigError(str(exc)) from None
+    try:
+        spec = load_spec_for_cli(spec_path, if_none="built-in")
+    except SpecError as exc:
+        raise ConfigError(str(exc)) from None
 
     def listed(dest: str, sep: str | None) -> tuple[list[str], str]:
         items = getattr(args, dest, None)

@@ -176,3 +176,25 @@ def test_valid_spec_check_prints_summary() -> None:
     proc = run_check(EXAMPLE)
     assert proc.returncode == 0, proc.stderr
     assert "valid" in proc.stdout and "dense_batched" in proc.stdout
+
+
+def test_cli_loader_without_a_path(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """load_spec_for_cli, which every command reads its spec through: what applies with no path."""
+    from inferwatch.spec import FleetSpec, load_spec_for_cli
+
+    monkeypatch.chdir(tmp_path)  # no fleet.yaml here
+    missing = "fleet.yaml: no such file (pass the fleet spec with --spec, e.g. fleet.yaml)"
+    with pytest.raises(SpecError) as excinfo:
+        load_spec_for_cli(None)
+    assert str(excinfo.value) == missing
+    assert load_spec_for_cli(None, if_none="default-if-present") == FleetSpec()
+    assert load_spec_for_cli("", if_none="built-in") == FleetSpec()
+    # A named file must exist, whatever if_none says.
+    with pytest.raises(SpecError, match=r"^nope\.yaml: no such file"):
+        load_spec_for_cli("nope.yaml", if_none="default-if-present")
+
+    (tmp_path / "fleet.yaml").write_text("defaults: {latency_sla_ms: 123}\n")
+    assert load_spec_for_cli(None).defaults.latency_sla_ms == 123
+    assert load_spec_for_cli(None, if_none="default-if-present").defaults.latency_sla_ms == 123
+    # The sidecar never picks up a fleet.yaml it was not given.
+    assert load_spec_for_cli(None, if_none="built-in") == FleetSpec()

@@ -12,10 +12,10 @@ import json
 import math
 import re
 import sys
-from pathlib import Path
+
+from inferwatch.paths import DEFAULT_SPEC
 
 EXIT_ERROR = 3  # inferwatch.canary.EXIT_ERROR, without importing the analysis for --help
-DEFAULT_SPEC = "fleet.yaml"
 _LABEL_VALUE = re.compile(r"^[A-Za-z0-9_.-]{1,128}$")
 
 EPILOG = """\
@@ -77,19 +77,11 @@ def _fail(message: str) -> int:
     return EXIT_ERROR
 
 
-def _spec(path: str | None):
-    from inferwatch.spec import FleetSpec, load_spec
-
-    if path is None and not Path(DEFAULT_SPEC).exists():
-        return FleetSpec()
-    return load_spec(path or DEFAULT_SPEC)
-
-
 def _canary(args: argparse.Namespace) -> int:
-    from inferwatch.spec import SpecError, duration_seconds
+    from inferwatch.spec import SpecError, duration_seconds, load_spec_for_cli
 
     try:
-        spec = _spec(args.spec)
+        spec = load_spec_for_cli(args.spec, if_none="default-if-present")
     except SpecError as exc:
         return _fail(str(exc))
     if args.templates:

@@ -11,8 +11,8 @@ import json
 from pathlib import Path
 
 from inferwatch.cli import CliError
+from inferwatch.paths import DEFAULT_SPEC
 
-DEFAULT_SPEC = "fleet.yaml"
 DEMO_SPEC = "fleet.demo.yaml"
 
 

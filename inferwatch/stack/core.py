@@ -24,7 +24,7 @@ from pathlib import Path
 
 from inferwatch import logs
 from inferwatch.paths import STATE_DIR_ENV, state_dir
-from inferwatch.spec import FleetSpec, SpecError, load_spec
+from inferwatch.spec import FleetSpec, SpecError, load_spec_for_cli
 from inferwatch.stack import config as cfg
 from inferwatch.stack.supervisor import Component, ProcId, RestartPolicy, Running, Supervisor, alive
 
@@ -129,7 +129,7 @@ class StackInfo:
         return self.state_dir / SPEC_COPY
 
     def spec(self) -> FleetSpec:
-        return load_spec(self.spec_in_use if self.spec_in_use.exists() else self.spec_path)
+        return load_spec_for_cli(self.spec_in_use if self.spec_in_use.exists() else self.spec_path)
 
     def to_json(self) -> dict:
         return {
@@ -239,7 +239,7 @@ class Stack:
         """Every check that can fail without starting a process; raises StackError."""
         c = self.config
         try:
-            spec = load_spec(c.spec_path)
+            spec = load_spec_for_cli(c.spec_path)
         except SpecError as exc:
             raise StackError(str(exc)) from None
         missing = [b for b in BINARIES if shutil.which(b) is None]

@@ -11,9 +11,8 @@ from __future__ import annotations
 import json
 import logging
 from collections.abc import Callable
-from pathlib import Path
 
-from inferwatch.spec import FleetSpec, Limits, SpecError, load_spec
+from inferwatch.spec import FleetSpec, Limits, SpecError, load_spec_for_cli
 from sidecar.core.admission import Admission, Refusal
 
 log = logging.getLogger("inferwatch.sidecar")
@@ -48,7 +47,7 @@ def reload_limits(admission: Admission, path: str | None) -> bool:
         log.warning("SIGHUP ignored: the sidecar was started without --spec")
         return False
     try:
-        spec = load_spec(Path(path))
+        spec = load_spec_for_cli(path)  # the reader and error line --spec had at startup
     except SpecError as exc:
         log.error("spec reload refused, the old limits stay: %s", exc)
         return False
