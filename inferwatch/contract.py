@@ -630,6 +630,9 @@ REC_SERVER_ERROR_RATIO = "model_version:inferwatch_server_errors:ratio"
 # Latency quantiles per model and version over alerts.latency.window (label quantile);
 # absent for a model without traffic.
 REC_LATENCY_QUANTILE = "model_version:inferwatch_request_duration_seconds:quantile"
+# The latency histogram's buckets summed over pods, per model, version and le, as rates over
+# alerts.latency.window: recorded once, read by every quantile (deploy/SCALING.md).
+REC_LATENCY_BUCKET_RATE = "model_version:inferwatch_request_duration_seconds_bucket:rate"
 # Each model's latency SLA in seconds: the sidecar's SLA gauge, else the spec's default.
 REC_LATENCY_SLA = "model:inferwatch_latency_sla_seconds:effective"
 # Framebuffer used / (used + free + reserved) per GPU, with the GPU's dcgm labels.
@@ -638,6 +641,10 @@ REC_GPU_FB_USED_RATIO = "gpu:inferwatch_fb_used:ratio"
 REC_SLO_ERROR_RATIO = "model:inferwatch_slo_errors:ratio_rate"  # label window
 REC_SLO_OBJECTIVE = "model:inferwatch_slo:objective"
 REC_SLO_BUDGET_REMAINING = "model:inferwatch_slo_error_budget:remaining"  # 1 = untouched, <0 = spent
+# Requests/s and server errors/s over each SLO window under a day (label window); the windows
+# of a day or more sum the shortest one's over time instead of scanning the raw counters.
+REC_SLO_REQUEST_RATE = "model:inferwatch_slo_requests:rate"
+REC_SLO_ERROR_RATE = "model:inferwatch_slo_server_errors:rate"
 # Canary comparison (canary.window of the spec), only for versions with at least
 # canary.min_requests requests (the error ratio) or successful requests (the quantile).
 REC_CANARY_ERROR_RATIO = "model_version:inferwatch_canary_server_errors:ratio"
@@ -646,6 +653,9 @@ REC_CANARY_LATENCY_QUANTILE = "model_version:inferwatch_canary_request_duration_
 # TTFT and TPOT quantiles per model and version over alerts.latency.window (label quantile).
 REC_TTFT_QUANTILE = "model_version:inferwatch_time_to_first_token_seconds:quantile"
 REC_TPOT_QUANTILE = "model_version:inferwatch_time_per_output_token_seconds:quantile"
+# Their histograms' buckets summed over pods per model, version and le over alerts.latency.window.
+REC_TTFT_BUCKET_RATE = "model_version:inferwatch_time_to_first_token_seconds_bucket:rate"
+REC_TPOT_BUCKET_RATE = "model_version:inferwatch_time_per_output_token_seconds_bucket:rate"
 # Each LLM model's TTFT/TPOT SLA in seconds: the sidecar's gauge, else the spec's default.
 REC_TTFT_SLA = "model:inferwatch_ttft_sla_seconds:effective"
 REC_TPOT_SLA = "model:inferwatch_tpot_sla_seconds:effective"
@@ -654,6 +664,9 @@ REC_TPOT_SLA = "model:inferwatch_tpot_sla_seconds:effective"
 REC_TTFT_SLO_SLOW_RATIO = "model:inferwatch_ttft_slo_slow:ratio_rate"
 REC_TTFT_SLO_OBJECTIVE = "model:inferwatch_ttft_slo:objective"
 REC_TTFT_SLO_BUDGET_REMAINING = "model:inferwatch_ttft_slo_error_budget:remaining"
+# First tokens/s, and those within the model's TTFT SLA, over each window under a day (label window).
+REC_TTFT_SLO_FIRST_TOKEN_RATE = "model:inferwatch_ttft_slo_first_tokens:rate"
+REC_TTFT_SLO_ON_TIME_RATE = "model:inferwatch_ttft_slo_first_tokens_on_time:rate"
 # vLLM's own series with the model label added (model = vLLM's model_name, its first served
 # name); every other label kept, so these are per engine (instance, engine).
 REC_VLLM_KV_CACHE_USAGE = "model_engine:vllm_kv_cache_usage:ratio"
@@ -683,6 +696,13 @@ RECORDING_RULES = (
     REC_SLO_BUDGET_REMAINING,
     REC_CANARY_ERROR_RATIO,
     REC_CANARY_LATENCY_QUANTILE,
+    REC_LATENCY_BUCKET_RATE,
+    REC_TTFT_BUCKET_RATE,
+    REC_TPOT_BUCKET_RATE,
+    REC_SLO_REQUEST_RATE,
+    REC_SLO_ERROR_RATE,
+    REC_TTFT_SLO_FIRST_TOKEN_RATE,
+    REC_TTFT_SLO_ON_TIME_RATE,
 )
 
 # Series names that are not metric families of a component but may appear in generated

@@ -16,17 +16,6 @@ from inferwatch import contract as c
 NAME = "inferwatch-latency"
 
 
-def _quantile(q: float, window: str) -> str:
-    by = promql.MODEL_VERSION
-    bucket = f'{c.REQUEST_DURATION.name}_bucket{{{c.L_MODEL}!=""}}'
-    count = f'{c.REQUEST_DURATION.name}_count{{{c.L_MODEL}!=""}}'
-    return (
-        f"histogram_quantile({q:g}, sum by ({by}, le) (rate({bucket}[{window}])))\n"
-        f"and on ({by})\n"
-        f"(sum by ({by}) (rate({count}[{window}])) > 0)"
-    )
-
-
 def sla_expr(cfg: RulesConfig) -> str:
     # Every model that has request series gets the default; the sidecar's gauge wins.
     return (
@@ -67,10 +56,17 @@ def alert_expr(cfg: RulesConfig) -> str:
 
 def group(cfg: RulesConfig) -> dict:
     quantiles = [cfg.latency_quantile] + ([0.5] if cfg.latency_quantile != 0.5 else [])
+    # The buckets are summed over every pod once; each quantile reads that sum.
     rules: list[dict] = [
         {
+            "record": c.REC_LATENCY_BUCKET_RATE,
+            "expr": promql.bucket_rate(c.REQUEST_DURATION.name, cfg.latency_window),
+        }
+    ]
+    rules += [
+        {
             "record": c.REC_LATENCY_QUANTILE,
-            "expr": _quantile(q, cfg.latency_window),
+            "expr": promql.quantile_of_record(q, c.REC_LATENCY_BUCKET_RATE),
             "labels": {c.L_QUANTILE: f"{q:g}"},
         }
         for q in quantiles

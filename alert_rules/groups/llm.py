@@ -17,11 +17,13 @@ from inferwatch import contract as c
 
 NAME = "inferwatch-llm"
 
-# (alert, histogram, its quantile record, its SLA gauge, its SLA record, what, default SLA attr)
+# (alert, histogram, its bucket-rate record, its quantile record, its SLA gauge, its SLA record,
+#  what, default SLA attr)
 SIGNALS = (
     (
         c.ALERT_HIGH_TTFT,
         c.TIME_TO_FIRST_TOKEN,
+        c.REC_TTFT_BUCKET_RATE,
         c.REC_TTFT_QUANTILE,
         c.MODEL_TTFT_SLA,
         c.REC_TTFT_SLA,
@@ -31,6 +33,7 @@ SIGNALS = (
     (
         c.ALERT_HIGH_TPOT,
         c.TIME_PER_OUTPUT_TOKEN,
+        c.REC_TPOT_BUCKET_RATE,
         c.REC_TPOT_QUANTILE,
         c.MODEL_TPOT_SLA,
         c.REC_TPOT_SLA,
@@ -49,17 +52,6 @@ _HINTS = {
         "or many more requests decoding together (compare requests running)."
     ),
 }
-
-
-def _quantile(histogram: c.Metric, q: float, window: str) -> str:
-    by = promql.MODEL_VERSION
-    bucket = f'{histogram.name}_bucket{{{c.L_MODEL}!=""}}'
-    count = f'{histogram.name}_count{{{c.L_MODEL}!=""}}'
-    return (
-        f"histogram_quantile({q:g}, sum by ({by}, le) (rate({bucket}[{window}])))\n"
-        f"and on ({by})\n"
-        f"(sum by ({by}) (rate({count}[{window}])) > 0)"
-    )
 
 
 def sla_expr(histogram: c.Metric, gauge: c.Metric, default_s: float) -> str:
@@ -82,7 +74,7 @@ def limit_expr(cfg: RulesConfig, sla_record: str, *matchers: str) -> str:
 
 
 def alert_expr(cfg: RulesConfig, alert: str) -> str:
-    _, _, record, _, sla_record, _, _ = next(s for s in SIGNALS if s[0] == alert)
+    _, _, _, record, _, sla_record, _, _ = next(s for s in SIGNALS if s[0] == alert)
     return (
         f"{quantile_signal(record, cfg.latency_quantile)}\n"
         f"> on ({c.L_MODEL}) group_left ()\n{limit_expr(cfg, sla_record)}"
@@ -94,11 +86,13 @@ def group(cfg: RulesConfig) -> dict:
     qn = cfg.quantile_name
     model, version = c.L_MODEL, c.L_VERSION
     rules: list[dict] = []
-    for alert, histogram, record, gauge, sla_record, what, default_attr in SIGNALS:
+    for alert, histogram, buckets, record, gauge, sla_record, what, default_attr in SIGNALS:
+        # The buckets are summed over every pod once; each quantile reads that sum.
+        rules.append({"record": buckets, "expr": promql.bucket_rate(histogram.name, cfg.latency_window)})
         rules += [
             {
                 "record": record,
-                "expr": _quantile(histogram, q, cfg.latency_window),
+                "expr": promql.quantile_of_record(q, buckets),
                 "labels": {c.L_QUANTILE: f"{q:g}"},
             }
             for q in quantiles

@@ -10,16 +10,17 @@ which is how the demo spec plays the incident in minutes.
 
 from __future__ import annotations
 
-from collections import defaultdict
+from collections.abc import Sequence
 
 from prometheus_client.utils import floatToGoString
 
 from alert_rules import promql
-from alert_rules.config import TTFT_SLO_BURN_PAIRS, RulesConfig, TtftSloTarget, fmt_duration
+from alert_rules.config import TTFT_SLO_BURN_PAIRS, RulesConfig, TtftSloTarget
 from inferwatch import contract as c
-from inferwatch.spec import duration_seconds
 
 NAME = "inferwatch-llm-slo"
+_M = c.L_MODEL
+_TTFT = c.TIME_TO_FIRST_TOKEN.name
 
 
 def le(seconds: float) -> str:
@@ -27,84 +28,62 @@ def le(seconds: float) -> str:
     return floatToGoString(seconds)
 
 
-def _by_period(cfg: RulesConfig) -> dict[str, list[TtftSloTarget]]:
-    out: dict[str, list[TtftSloTarget]] = defaultdict(list)
-    for slo in cfg.ttft_slos:
-        out[slo.period].append(slo)
-    return dict(sorted(out.items(), key=lambda kv: duration_seconds(kv[0])))
+def _on_time(slo: TtftSloTarget, window: str) -> str:
+    sel = f'{_M}="{slo.model}", le="{le(slo.sla_s)}"'
+    return f"sum by ({_M}) (rate({_TTFT}_bucket{{{sel}}}[{window}]))"
 
 
-def _objective(period: str) -> str:
-    return f'{c.REC_TTFT_SLO_OBJECTIVE}{{{c.L_SLO_PERIOD}="{period}"}}'
+def _first_tokens(slo: TtftSloTarget, window: str) -> str:
+    return f'sum by ({_M}) (rate({_TTFT}_count{{{_M}="{slo.model}"}}[{window}]))'
 
 
-def slow_ratio(slo: TtftSloTarget, window: str) -> str:
-    """Requests whose first token came later than the SLA / all requests with a first token;
-    absent (not NaN) without traffic."""
-    name, model = c.TIME_TO_FIRST_TOKEN.name, c.L_MODEL
-    sel = f'{model}="{slo.model}"'
-    good = f'sum by ({model}) (rate({name}_bucket{{{sel}, le="{le(slo.sla_s)}"}}[{window}]))'
-    total = f"sum by ({model}) (rate({name}_count{{{sel}}}[{window}]))"
-    return f"1 - (\n  {good}\n  /\n  ({total} > 0)\n)"
+def _per_model(parts: list[str]) -> str:
+    return "\nor\n".join(f"(\n{promql.indent(p)}\n)" for p in parts) if len(parts) > 1 else parts[0]
+
+
+def _numerator(slos: Sequence[TtftSloTarget], window: str, _objective: str, _zero: str) -> str:
+    # Each model's own SLA bucket. A model whose bucket is missing has no slow share at all.
+    return _per_model([_on_time(s, window) for s in slos])
+
+
+def _denominator(slos: Sequence[TtftSloTarget], window: str, _objective: str) -> str:
+    return _per_model([_first_tokens(s, window) for s in slos])
+
+
+KIND = promql.BurnRateSlo(
+    objective_record=c.REC_TTFT_SLO_OBJECTIVE,
+    ratio_record=c.REC_TTFT_SLO_SLOW_RATIO,
+    budget_record=c.REC_TTFT_SLO_BUDGET_REMAINING,
+    numerator_record=c.REC_TTFT_SLO_ON_TIME_RATE,
+    denominator_record=c.REC_TTFT_SLO_FIRST_TOKEN_RATE,
+    pairs=TTFT_SLO_BURN_PAIRS,
+    good=True,
+    numerator=_numerator,
+    denominator=_denominator,
+)
 
 
 def burn(window: str, period: str) -> str:
-    ratio = f'max without ({c.L_WINDOW}) ({c.REC_TTFT_SLO_SLOW_RATIO}{{{c.L_WINDOW}="{window}"}})'
-    return f"{ratio}\n/ on ({c.L_MODEL})\n(1 - {_objective(period)})"
+    return KIND.burn(window, period)
 
 
 def windows(slo: TtftSloTarget) -> list[str]:
-    ref = sorted({s for _, _, long, short in TTFT_SLO_BURN_PAIRS for s in (long, short)})
-    wins = [slo.window(s) for s in ref]
-    period = fmt_duration(slo.period_s)
-    return [*wins, period] if period not in wins else wins
+    return KIND.windows(slo)
 
 
 def pairs(severity: str, example: TtftSloTarget) -> list[tuple[float, str, str]]:
-    return [
-        (factor, example.window(long), example.window(short))
-        for sev, factor, long, short in TTFT_SLO_BURN_PAIRS
-        if sev == severity
-    ]
+    return KIND.pairs_for(severity, example)
 
 
 def alert_expr(severity: str, period: str, example: TtftSloTarget) -> str:
-    parts = [
-        f"(\n  (\n{promql.indent(burn(lw, period), 4)}\n  ) > {f:g}\n"
-        f"  and on ({c.L_MODEL})\n"
-        f"  (\n{promql.indent(burn(sw, period), 4)}\n  ) > {f:g}\n)"
-        for f, lw, sw in pairs(severity, example)
-    ]
-    return f"\nor on ({c.L_MODEL})\n".join(parts)
+    return KIND.alert_expr(severity, period, example)
 
 
 def group(cfg: RulesConfig) -> dict:
     rules: list[dict] = []
     model = c.L_MODEL
-    for period, slos in _by_period(cfg).items():
-        for slo in slos:
-            rules.append(
-                {
-                    "record": c.REC_TTFT_SLO_OBJECTIVE,
-                    "expr": f"vector({slo.objective:g})",
-                    "labels": {model: slo.model, c.L_SLO_PERIOD: period},
-                }
-            )
-        for window in windows(slos[0]):
-            rules.append(
-                {
-                    "record": c.REC_TTFT_SLO_SLOW_RATIO,
-                    "expr": "\nor\n".join(f"(\n{promql.indent(slow_ratio(s, window))}\n)" for s in slos),
-                    "labels": {c.L_WINDOW: window},
-                }
-            )
-        rules.append(
-            {
-                "record": c.REC_TTFT_SLO_BUDGET_REMAINING,
-                "expr": f"1 - (\n{promql.indent(burn(fmt_duration(slos[0].period_s), period))}\n)",
-                "labels": {c.L_SLO_PERIOD: period},
-            }
-        )
+    for period, slos in promql.by_period(cfg.ttft_slos).items():
+        rules += KIND.recording_rules(slos)
         for alert, severity, what in (
             (c.ALERT_TTFT_SLO_FAST_BURN, c.SEVERITY_CRITICAL, "fast: at this rate it is gone in days"),
             (

@@ -10,89 +10,56 @@ divided by the budget (1 - objective); the alert's value is the long window's bu
 
 from __future__ import annotations
 
-from collections import defaultdict
-
 from alert_rules import promql
-from alert_rules.config import SLO_BURN_PAIRS, RulesConfig, SloTarget, fmt_duration
+from alert_rules.config import SLO_BURN_PAIRS, RulesConfig, SloTarget
 from inferwatch import contract as c
-from inferwatch.spec import duration_seconds
 
 NAME = "inferwatch-slo"
+_M = c.L_MODEL
 
 
-def _by_period(cfg: RulesConfig) -> dict[str, list[SloTarget]]:
-    out: dict[str, list[SloTarget]] = defaultdict(list)
-    for slo in cfg.slos:
-        out[slo.period].append(slo)
-    return dict(sorted(out.items(), key=lambda kv: duration_seconds(kv[0])))
+def _denominator(_targets: object, window: str, objective: str) -> str:
+    return f"{promql.request_rate(window, _M)}\nand on ({_M})\n{objective}"
 
 
-def _objective(period: str) -> str:
-    return f'{c.REC_SLO_OBJECTIVE}{{{c.L_SLO_PERIOD}="{period}"}}'
+def _numerator(_targets: object, window: str, objective: str, zero: str) -> str:
+    # A model with traffic and no server-error series has 0 errors/s, not none.
+    errors = f"sum by ({_M}) (rate({promql.requests(c.OUTCOME_SERVER_ERROR)}[{window}]))"
+    return f"(\n  {errors}\n  and on ({_M})\n  {objective}\n)\nor\n{zero}"
 
 
-def _ratio(window: str) -> str:
-    return f'max without ({c.L_WINDOW}) ({c.REC_SLO_ERROR_RATIO}{{{c.L_WINDOW}="{window}"}})'
+KIND = promql.BurnRateSlo(
+    objective_record=c.REC_SLO_OBJECTIVE,
+    ratio_record=c.REC_SLO_ERROR_RATIO,
+    budget_record=c.REC_SLO_BUDGET_REMAINING,
+    numerator_record=c.REC_SLO_ERROR_RATE,
+    denominator_record=c.REC_SLO_REQUEST_RATE,
+    pairs=SLO_BURN_PAIRS,
+    good=False,
+    numerator=_numerator,
+    denominator=_denominator,
+)
 
 
 def burn(window: str, period: str) -> str:
     """The burn rate over ``window`` of the models with this period: error ratio / budget."""
-    return f"{_ratio(window)}\n/ on ({c.L_MODEL})\n(1 - {_objective(period)})"
+    return KIND.burn(window, period)
 
 
 def windows(slo: SloTarget) -> list[str]:
     """Every window recorded for an objective: the workbook's, scaled, and the period."""
-    ref = sorted({s for _, _, long, short in SLO_BURN_PAIRS for s in (long, short)})
-    wins = [slo.window(s) for s in ref]
-    period = fmt_duration(slo.period_s)
-    return [*wins, period] if period not in wins else wins
+    return KIND.windows(slo)
 
 
 def alert_expr(severity: str, period: str, example: SloTarget) -> str:
-    parts = []
-    for sev, factor, long, short in SLO_BURN_PAIRS:
-        if sev != severity:
-            continue
-        lw, sw = example.window(long), example.window(short)
-        parts.append(
-            f"(\n  (\n{promql.indent(burn(lw, period), 4)}\n  ) > {factor:g}\n"
-            f"  and on ({c.L_MODEL})\n"
-            f"  (\n{promql.indent(burn(sw, period), 4)}\n  ) > {factor:g}\n)"
-        )
-    return f"\nor on ({c.L_MODEL})\n".join(parts)
+    return KIND.alert_expr(severity, period, example)
 
 
 def group(cfg: RulesConfig) -> dict:
     rules: list[dict] = []
     model = c.L_MODEL
-    for period, slos in _by_period(cfg).items():
-        for slo in slos:
-            rules.append(
-                {
-                    "record": c.REC_SLO_OBJECTIVE,
-                    "expr": f"vector({slo.objective:g})",
-                    "labels": {model: slo.model, c.L_SLO_PERIOD: period},
-                }
-            )
-        for window in windows(slos[0]):
-            rules.append(
-                {
-                    "record": c.REC_SLO_ERROR_RATIO,
-                    "expr": (
-                        f"(\n{promql.indent(promql.server_error_ratio(window, model))}\n)\n"
-                        f"and on ({model})\n{_objective(period)}"
-                    ),
-                    "labels": {c.L_WINDOW: window},
-                }
-            )
-        period_window = fmt_duration(slos[0].period_s)
-        rules.append(
-            {
-                "record": c.REC_SLO_BUDGET_REMAINING,
-                "expr": f"1 - (\n{promql.indent(burn(period_window, period))}\n)",
-                "labels": {c.L_SLO_PERIOD: period},
-            }
-        )
+    for period, slos in promql.by_period(cfg.slos).items():
+        rules += KIND.recording_rules(slos)
         for alert, severity, what in (
             (c.ALERT_SLO_FAST_BURN, c.SEVERITY_CRITICAL, "fast: at this rate it is gone in days"),
             (
@@ -101,11 +68,7 @@ def group(cfg: RulesConfig) -> dict:
                 "steadily: at this rate it is gone before the period ends",
             ),
         ):
-            pairs = [
-                f"{f:g}x over {slos[0].window(lw)} and {slos[0].window(sw)}"
-                for s, f, lw, sw in SLO_BURN_PAIRS
-                if s == severity
-            ]
+            pairs = [f"{f:g}x over {lw} and {sw}" for f, lw, sw in KIND.pairs_for(severity, slos[0])]
             rules.append(
                 {
                     "alert": alert,
