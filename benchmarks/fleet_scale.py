@@ -739,8 +739,19 @@ def main() -> int:
     parser.add_argument(
         "--query-repeats", type=_positive, default=3, help="runs of each overview query (median; default 3)"
     )
+    parser.add_argument(
+        "--rules",
+        type=Path,
+        default=RULES_DIR,
+        help="directory of *.rules.yml to load (default alert_rules/generated); another one, such as "
+        "an earlier commit's, measures a change to the rules on the same fleet",
+    )
     parser.add_argument("--json", action="store_true", help="print the results as JSON")
     args = parser.parse_args()
+    rule_files = sorted(args.rules.glob("*.rules.yml")) if args.rules.is_dir() else []
+    if not rule_files:
+        print(f"fleet_scale: --rules {args.rules}: no *.rules.yml files there", file=sys.stderr)
+        return 2
     # SIGTERM unwinds like Ctrl-C, so Prometheus and the exporter are stopped on the way out.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     try:
@@ -756,6 +767,7 @@ def main() -> int:
         eval_interval=args.eval_interval or duration_seconds(spec.prometheus.evaluation_interval),
         spec_path=args.spec,
         query_repeats=args.query_repeats,
+        rule_files=rule_files,
     )
     result = run(opts)
     if args.json:

@@ -102,3 +102,6 @@ def test_bad_input_is_one_line_not_a_traceback() -> None:
     proc = _run("--pods", "2", "--warmup", "soon", timeout=60)
     assert proc.returncode == 2 and "'soon' is not a duration" in proc.stderr
     assert "Traceback" not in proc.stderr
+    proc = _run("--pods", "2", "--rules", str(ROOT / "no-such-dir"), timeout=60)
+    assert proc.returncode == 2 and "no-such-dir: no *.rules.yml files there" in proc.stderr
+    assert "Traceback" not in proc.stderr
