@@ -288,33 +288,6 @@ def test_a_ready_timeout_that_is_not_positive_is_a_usage_error(tmp_path: Path) -
     assert_nothing_started(tmp_path)
 
 
-def test_the_stack_modules_import_one_way() -> None:
-    """No import circles among inferwatch/stack/ (function-level imports included): the
-    command module sits on top, the scenario below it, the supervisor at the bottom."""
-    import ast
-    import graphlib
-
-    package = ROOT / "inferwatch" / "stack"
-    names = {f"inferwatch.stack.{p.stem}" for p in package.glob("*.py") if p.stem != "__init__"}
-    graph: dict[str, set[str]] = {}
-    for name in names:
-        tree = ast.parse((package / f"{name.rsplit('.', 1)[1]}.py").read_text())
-        deps = set()
-        for node in ast.walk(tree):
-            if isinstance(node, ast.Import):
-                deps |= {a.name for a in node.names}
-            elif isinstance(node, ast.ImportFrom) and node.module:
-                deps |= {node.module, *(f"{node.module}.{a.name}" for a in node.names)}
-        graph[name] = (deps & names) - {name}
-    graphlib.TopologicalSorter(graph).prepare()  # raises CycleError on a circle
-    assert all("inferwatch.stack.cli" not in deps for deps in graph.values())
-    assert graph["inferwatch.stack.demo"] <= {
-        "inferwatch.stack.core",
-        "inferwatch.stack.observe",
-        "inferwatch.stack.timing",
-    }
-
-
 def test_up_llm_runs_vllm_and_a_sidecar_of_its_own_scraped_by_prometheus(tmp_path: Path) -> None:
     """``up --llm``: vLLM and an LLM sidecar in front of it (HTTP only), on the contract's
     ports, both scraped; without --llm neither runs and their ports are not checked."""
