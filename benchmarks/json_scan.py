@@ -5,7 +5,8 @@
    fed in 64 KiB chunks as a proxy would; ``json.loads`` of the whole body beside it for scale.
 2. The answer observers (SSE parser + ``openai.py`` / ``triton_generate.py``): microseconds per
    streamed event, over a recorded 128-token vLLM stream fed one event per chunk (as vLLM writes
-   them), to hold against nginx's 27 us of CPU per streamed token (DESIGN.md).
+   them), to hold against nginx's 27 us of CPU per streamed token (nginx 1.22 in front of vLLM here,
+   measured when the LLM work began).
 
     .venv/bin/python benchmarks/json_scan.py [--repeat 20]
 """

@@ -7,7 +7,8 @@ Two parts, each with its own server, sidecar and nginx:
   streams. Reported: output tokens/s and its ratio to direct, client-side TTFT and inter-token
   P50/P99, and the proxy's CPU-seconds per 1,000 streamed tokens (sidecar against nginx). vLLM
   computes on the same 2 cores as the client and the proxies, so its latency moves by more than
-  a millisecond from round to round (DESIGN.md, "Streaming through a proxy, calibrated here"):
+  a millisecond from round to round (calibrated here: two interleaved 15 s rounds through nginx
+  differed by +-15%):
   tokens/s and CPU per token are this part's figures.
 - **Triton** (``tiny_stream`` version 1 on Triton's ``generate_stream``): a decoupled model that
   sleeps a fixed time to the first token and between tokens (set here through the fault file,

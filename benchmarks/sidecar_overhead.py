@@ -10,7 +10,8 @@ comes from ``wrk`` (C, cheaper than what it measures) with a Lua script:
   merged arrivals are a Poisson stream at the rate, wrk2-style; enough connections that a
   connection's mean gap (50 ms) is far above the latency, so a slow answer barely delays
   the schedule. Reported: P50/P99 per target and what each proxy adds against direct.
-- maximum throughput: closed loop, 8 connections (DESIGN.md's reference setting).
+- maximum throughput: closed loop, 8 connections (the setting of the nginx and aiohttp-proxy
+  reference points the sidecar was designed against).
 - the proxy's CPU-seconds per 1,000 requests (utime + stime from /proc, every process of
   the proxy) and its resident memory (VmRSS at the end, VmHWM peak).
 

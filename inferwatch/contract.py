@@ -133,7 +133,7 @@ UPSTREAM_UP = Metric(
     (L_UPSTREAM,),
 )
 
-# Generative (LLM) serving, DESIGN.md "Generative (LLM) serving". The TTFT and TPOT
+# Generative (LLM) serving (sidecar/README.md, "LLM streams"). The TTFT and TPOT
 # histograms have a bucket at each model's SLA and 2x it (inferwatch.spec.token_latency_buckets).
 # Like the request histogram, they have no protocol label (the series budget).
 TIME_TO_FIRST_TOKEN = Metric(
@@ -582,7 +582,7 @@ L_CHECK = "check"  # on ALERT_CANARY_REGRESSION: which comparison failed ("error
 ALL_ALERTS = {**TIERED_ALERTS, **OTHER_ALERTS}
 
 # ---------------------------------------------------------------------------------------
-# Ports (DESIGN.md)
+# Ports: each component's default, here once
 # ---------------------------------------------------------------------------------------
 PORTS = {
     "triton_http": 8000,

@@ -1,7 +1,7 @@
 """Start and stop a real Triton Inference Server on the reference model repository.
 
 Two start-up traps of the ``tritonserver`` binary carried by the ``nvidia-pytriton`` wheel are
-handled here (DESIGN.md): the Python backend needs the ``triton_python_backend_stub`` built for
+handled here: the Python backend needs the ``triton_python_backend_stub`` built for
 the running Python copied into its backend folder, and ``LD_LIBRARY_PATH`` must hold the
 interpreter's ``LIBDIR`` and the wheel's ``nvidia_pytriton.libs``, else the stub loads another
 libpython and every model fails to load. The venv's ``bin`` goes first on ``PATH`` so the stub

@@ -71,7 +71,7 @@ def test_design_names_are_present() -> None:
         "DCGM_FI_DEV_POWER_USAGE",
         "DCGM_FI_DEV_SM_CLOCK",
         "DCGM_FI_DEV_XID_ERRORS",
-        # Generative (LLM) serving (DESIGN.md), the sidecar's and vLLM's own.
+        # Generative (LLM) serving (sidecar/README.md, "LLM streams"), the sidecar's and vLLM's own.
         "inferwatch_time_to_first_token_seconds",
         "inferwatch_time_per_output_token_seconds",
         "inferwatch_inter_token_latency_seconds",

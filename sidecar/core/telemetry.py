@@ -19,8 +19,8 @@ one ``Telemetry``; everything a request costs is two calls::
   (exemplar ``{"trace_id": ...}`` when the span is sampled), the counters, in-flight
   decrement, the span's status code attribute and end. ``code`` is the HTTP status ("200")
   or the gRPC code name ("UNAVAILABLE").
-- ``outcome_for_http(status: int)`` / ``outcome_for_grpc(code_name: str)``: DESIGN.md's
-  split: 5xx (and 429), the gRPC codes in ``GRPC_SERVER_ERRORS``, and failures the
+- ``outcome_for_http(status: int)`` / ``outcome_for_grpc(code_name: str)``: the split
+  sidecar/README.md states: 5xx (and 429), the gRPC codes in ``GRPC_SERVER_ERRORS``, and failures the
   sidecar saw itself (HTTP 502/503/504; gRPC UNAVAILABLE/DEADLINE_EXCEEDED) are
   ``server_error``; other 4xx / gRPC codes are ``client_error``.
 - ``relabel(req, model, version)``: the model became known after ``begin`` (an OpenAI
