@@ -83,9 +83,9 @@ def test_the_graph_sees_every_kind_of_import(tmp_path: Path) -> None:
 
 
 def test_the_sidecar_imports_point_one_way() -> None:
-    """protocols -> core -> apis, never back: core and apis name no protocol, apis name
-    nothing of core (the API modules are fed bytes and report through hooks), and no
-    circles anywhere in the sidecar."""
+    """protocols -> core -> apis, never back: core and apis name no protocol, and apis import
+    nothing of the sidecar outside themselves (they are fed bytes and report through hooks,
+    sidecar/apis/README.md); no circles anywhere in the sidecar."""
     graph = import_graph("sidecar")
     assert "sidecar.core.telemetry" in graph and "sidecar.protocols.http1" in graph  # it found the tree
     wrong = []
@@ -93,9 +93,9 @@ def test_the_sidecar_imports_point_one_way() -> None:
         banned = []
         if _under(name, "sidecar.core") or _under(name, "sidecar.apis"):
             banned.append("sidecar.protocols")
-        if _under(name, "sidecar.apis"):
-            banned.append("sidecar.core")
         wrong += [f"{name} imports {d}" for d in sorted(deps) for b in banned if _under(d, b)]
+        if _under(name, "sidecar.apis"):  # sidecar.core, sidecar.config, sidecar.main, ...
+            wrong += [f"{name} imports {d}" for d in sorted(deps) if not _under(d, "sidecar.apis")]
     assert wrong == []
     assert_no_circles(graph)
 
