@@ -11,7 +11,9 @@ in flight with the token-streaming model (tiny_stream), as in test_sidecar_admis
 from __future__ import annotations
 
 import contextlib
+import json
 import signal
+import socket
 import threading
 import time
 from collections.abc import Iterator
@@ -146,6 +148,125 @@ def test_grpc_burst_over_the_bucket_gets_exactly_capacity_admitted(triton, tmp_p
     assert delta(after_req, before_req, ("ranker", "grpc", "RESOURCE_EXHAUSTED")) == BURST - CAPACITY
     assert delta(after_req, before_req, ("ranker", "grpc", "OK")) == CAPACITY
     assert after_triton - before_triton == CAPACITY
+
+
+# --------------------------------------------------------------------------- tokens bucket
+
+
+def generate_body(max_tokens: int | None) -> bytes:
+    """A generate body (one answer: ``stream`` false) with or without max_tokens, compact."""
+    body: dict = {"text_input": "a b", "stream": False}
+    if max_tokens is not None:
+        body["max_tokens"] = max_tokens
+    return json.dumps(body, separators=(",", ":")).encode()
+
+
+def test_http_tokens_bucket_charges_max_tokens_and_sheds_the_next_burst_request(triton, tmp_path) -> None:
+    """The body is read before admission: a bucket of 5 requests' worth of tokens (each request's
+    charge: ceil(body bytes / 4) + max_tokens) admits 5 of a burst and sheds the 6th on, reason
+    ``tokens``; a request without max_tokens is charged the documented default."""
+    m = 40
+    body = generate_body(m)
+    cost = -(-len(body) // 4) + m
+    capacity = 5 * cost
+    spec = write_spec(tmp_path, {STREAM_MODEL: {"tokens": {"capacity": capacity, "fill_rate": 0.01}}})
+    path = f"/v2/models/{STREAM_MODEL}/versions/1/generate"
+    headers = {"content-type": "application/json"}
+    with launch_sidecar(triton.http_url, triton.grpc_url, tmp_path, "--spec", str(spec)) as sc:
+        before_req = sc.counts(REQUESTS, "model", "protocol", "code")
+        before_triton = triton_success_count(triton, STREAM_MODEL)
+        with httpx.Client(base_url=sc.base_url, timeout=30) as client:
+            answers = [client.post(path, content=body, headers=headers) for _ in range(8)]
+            # max_tokens stays charged for a chunked body too (no Content-Length)
+            chunked = client.post(path, content=iter([body[:10], body[10:]]), headers=headers)
+        after_req = sc.counts(REQUESTS, "model", "protocol", "code")
+        shed = shed_counts(sc)
+        after_triton = triton_success_count(triton, STREAM_MODEL)
+        in_flight = sc.counts(contract.REQUESTS_IN_FLIGHT.name, "model")
+
+    codes = [r.status_code for r in answers]
+    assert codes == [200] * 5 + [429] * 3, [r.text for r in answers]
+    assert len(answers[0].json()["text_output"].split()) == m  # admitted requests are served whole
+    for r in answers[5:]:
+        assert r.headers["retry-after"] == "100"  # 1 / fill_rate
+        assert r.json()["reason"] == "tokens"
+        assert "tokens/s" in r.json()["error"]
+    assert chunked.status_code == 429 and chunked.json()["reason"] == "tokens"
+    assert shed.get((STREAM_MODEL, "tokens")) == 4
+    assert delta(after_req, before_req, (STREAM_MODEL, "http", "429")) == 4
+    assert delta(after_req, before_req, (STREAM_MODEL, "http", "200")) == 5
+    assert after_triton - before_triton == 5  # the shed requests never reached Triton
+    assert all(v == 0 for v in in_flight.values()), in_flight
+
+
+def test_http_tokens_bucket_charges_the_default_without_max_tokens(triton, tmp_path) -> None:
+    from sidecar.apis.charge import DEFAULT_MAX_TOKENS
+
+    body = generate_body(None)
+    cost = -(-len(body) // 4) + DEFAULT_MAX_TOKENS
+    spec = write_spec(tmp_path, {STREAM_MODEL: {"tokens": {"capacity": 2 * cost, "fill_rate": 0.01}}})
+    path = f"/v2/models/{STREAM_MODEL}/versions/1/generate"
+    with launch_sidecar(triton.http_url, triton.grpc_url, tmp_path, "--spec", str(spec)) as sc:
+        with httpx.Client(base_url=sc.base_url, timeout=30) as client:
+            codes = [client.post(path, content=body).status_code for _ in range(3)]
+        shed = shed_counts(sc)
+    assert codes == [200, 200, 429]
+    assert shed.get((STREAM_MODEL, "tokens")) == 1
+
+
+def test_http_held_bodies_bad_input_gets_todays_answers_and_leaks_nothing(triton, tmp_path) -> None:
+    """With a tokens bucket the body is held before admission. Malformed JSON, a body over
+    --max-body-bytes (declared or sent), a client that stalls mid-body (408) or leaves mid-body,
+    and a body over the hold window (decided at the window, not stuck behind backpressure) each
+    get today's answer; after them the one global slot and the model's one slot are free."""
+    from sidecar.apis.charge import WINDOW
+
+    spec = write_spec(
+        tmp_path,
+        {STREAM_MODEL: {"tokens": {"capacity": 10**9, "fill_rate": 10**9}, "concurrency": 1, "queue": 0}},
+    )
+    path = f"/v2/models/{STREAM_MODEL}/versions/1/generate"
+    max_body = 2 * WINDOW
+    args = (
+        "--spec",
+        str(spec),
+        "--body-timeout",
+        "1",
+        "--max-in-flight",
+        "1",
+        "--max-body-bytes",
+        str(max_body),
+    )
+    malformed = b'{"text_input": "a", "stream": false, "max_tokens": 2'
+    direct = httpx.post(f"http://{triton.http_url}{path}", content=malformed, timeout=30)
+    with launch_sidecar(triton.http_url, triton.grpc_url, tmp_path, *args) as sc:
+        bad = httpx.post(sc.base_url + path, content=malformed, timeout=30)
+        too_big = httpx.post(sc.base_url + path, content=b"x" * (max_body + 1), timeout=30)
+        head = b"POST %b HTTP/1.1\r\nhost: x\r\ncontent-length: 100\r\n\r\n{" % path.encode()
+        with socket.create_connection(("127.0.0.1", sc.http_port), timeout=10) as conn:
+            conn.sendall(head)
+            stalled = conn.recv(4096)
+        with socket.create_connection(("127.0.0.1", sc.http_port), timeout=10) as conn:
+            conn.sendall(head)
+            time.sleep(0.3)
+        # Past the window before max_tokens: decided at the window, the rest streams upstream.
+        words = "a " * ((WINDOW + 65536) // 2)
+        big = httpx.post(
+            sc.base_url + path, json={"text_input": words, "stream": False, "max_tokens": 3}, timeout=60
+        )
+        time.sleep(0.3)
+        ok = httpx.post(sc.base_url + path, content=generate_body(2), timeout=30)
+        in_flight = sc.counts(contract.REQUESTS_IN_FLIGHT.name, "model")
+        log = sc.log()
+
+    assert (bad.status_code, bad.content) == (direct.status_code, direct.content), bad.text
+    assert direct.status_code >= 400  # Triton refuses it (500 for a cut body, as it answers directly)
+    assert too_big.status_code == 413
+    assert stalled.startswith(b"HTTP/1.1 408"), stalled
+    assert big.status_code == 200 and len(big.json()["text_output"].split()) == 3, big.text
+    assert ok.status_code == 200, ok.text  # no global slot, model slot or queue entry leaked
+    assert all(v == 0 for v in in_flight.values()), in_flight
+    assert "internal error" not in log and "Traceback" not in log
 
 
 # --------------------------------------------------------------------------- concurrency and queue

@@ -9,13 +9,16 @@ gives the transport, per request:
   returns the body's ``model`` the moment it is read, then None; ``finish()`` at the body's end),
   or None when the model comes from the path;
 - ``answer(hooks, content_type)``: the answer's observer (``feed(chunk, t)``, ``finish(t,
-  complete)``), which reports through ``hooks`` (``hooks.Hooks``).
+  complete)``), which reports through ``hooks`` (``hooks.Hooks``);
+- ``charge()``: a ``charge.Charge`` that reads the body's token cost (and model) before the
+  request is admitted, when per-model limits are on; None for a route with no body to charge.
 
 Imports point from here to the API modules; the transport sees only these few methods.
 """
 
 from __future__ import annotations
 
+from .charge import Charge
 from .hooks import Hooks
 from .json_scan import BodyScanner, Outcome
 from .openai import OpenAIAnswer, is_event_stream
@@ -60,6 +63,12 @@ class Api:
 
     def model_scan(self) -> ModelScan | None:
         return ModelScan() if self.scans_body else None
+
+    def charge(self) -> Charge | None:
+        """The request's token cost, read from its body (embeddings: the prompt estimate only)."""
+        if not self.operation:
+            return None
+        return Charge(self.operation != "embeddings", MAX_MODEL_BYTES)
 
     def answer(self, hooks: Hooks, content_type: str) -> OpenAIAnswer | TritonGenerateAnswer | None:
         streamed = is_event_stream(content_type)

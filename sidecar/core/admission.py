@@ -14,7 +14,8 @@ same two calls, checked in this order after the global limit:
 
 - ``requests``: a token bucket, one token per request (reason ``requests``);
 - ``tokens``: a token bucket for LLM requests, ``tokens=`` prompt estimate + max_tokens
-  (reason ``tokens``);
+  (reason ``tokens``; ``sidecar.apis.charge`` computes it; a cost over the capacity takes the
+  whole bucket);
 - ``concurrency``: requests of the model in flight to the server; past it a request waits in the
   model's ``queue`` (FIFO) for at most ``queue_timeout_ms`` (reason ``queue_timeout``), or is shed
   at once when the queue is full (reason ``queue_full``).
@@ -26,8 +27,10 @@ without ``wake`` finds a full model as ``queue_full``. Each shed request is coun
 the shed counter (``contract.REQUESTS_SHED``, by model and reason); the protocol counts it in the
 requests counter as it answers. A caller that cannot know the model yet (the gRPC
 relay admits a call on its header block, before the message that names it) passes
-``MODEL_NONE``: only the global limit applies to it. Refusals are prebuilt per model, so refusing
-allocates nothing: under overload the answer stays cheap.
+``MODEL_NONE``: only the global limit applies to it; the HTTP proxy does the same while it holds
+an LLM request's body, then ``transfer``s the slot to the model the body names, with its cost.
+Refusals are prebuilt per model, so refusing allocates nothing: under overload the answer stays
+cheap.
 
 Models are keyed by their label (``model_label``, the telemetry's bounded label), so a client
 inventing names shares one overflow model's limits rather than minting buckets. ``reload``
@@ -254,7 +257,13 @@ class Admission:
         now = self.clock()
         if gate.requests is not None and not gate.requests.take(1, now):
             return self._refuse(gate, gate.r_requests)
-        if gate.tokens is not None and tokens and not gate.tokens.take(tokens, now):
+        # A cost over the capacity takes the whole bucket: it passes when the bucket is full
+        # rather than never.
+        if (
+            gate.tokens is not None
+            and tokens
+            and not gate.tokens.take(min(tokens, gate.tokens.capacity), now)
+        ):
             return self._refuse(gate, gate.r_tokens)
         if gate.concurrency and gate.active >= gate.concurrency:
             if wake is None or len(gate.queue) >= gate.queue_cap:
@@ -266,6 +275,22 @@ class Admission:
         gate.active += 1
         self.active += 1
         return None
+
+    def charges_tokens(self, model: str) -> bool:
+        """Whether ``model`` has a ``tokens`` bucket (the HTTP proxy then reads its cost first)."""
+        if self._limits is None or model == contract.MODEL_NONE:
+            return False
+        return self._gate(model).tokens is not None  # type: ignore[union-attr]
+
+    def transfer(
+        self, model: str, tokens: int = 0, wake: Callable[[Refusal | None], Any] | None = None
+    ) -> Refusal | Waiting | None:
+        """A request admitted as ``MODEL_NONE`` (held while its body names its model and cost)
+        now knows them: its global slot is traded for ``acquire(model, tokens, wake)``'s
+        answer. The global limit cannot refuse it (its own slot was just freed); a refusal or a
+        ``Waiting`` holds no slot, as from ``acquire``."""
+        self.active -= 1
+        return self.acquire(model, tokens, wake)
 
     def _refuse(self, gate: _Gate, refusal: Refusal) -> Refusal:
         if gate.shed is not None:

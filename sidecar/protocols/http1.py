@@ -50,11 +50,13 @@ from urllib.parse import unquote
 import httptools
 
 from inferwatch import contract
+from sidecar.apis.charge import WINDOW
 from sidecar.core.admission import Admission, Refusal, Waiting
 from sidecar.core.health import UpstreamHealth
 from sidecar.core.overload import http_answer
 
 if TYPE_CHECKING:
+    from sidecar.apis.charge import Charge
     from sidecar.apis.routes import Api
     from sidecar.config import SidecarConfig
     from sidecar.core.streams import StreamExchange, StreamTelemetry
@@ -136,6 +138,11 @@ class _Reject(Exception):
         self.status = status
 
 
+class _Halt(Exception):
+    """Raised inside a parser callback once the connection was answered and closed: parse no
+    further (a pipelined request behind it must not start)."""
+
+
 # ------------------------------------------------------------------------------------------
 # Labels from the URL
 # ------------------------------------------------------------------------------------------
@@ -187,8 +194,11 @@ class Exchange:
         "deadline",
         "done",
         "head_only",
+        "hold",
+        "length",
         "llm",
         "out",
+        "path_model",
         "pending",
         "pending_size",
         "replay",
@@ -221,6 +231,11 @@ class Exchange:
         self.version10 = False
         self.upstream: UpstreamConn | None = None
         self.llm: StreamExchange | None = None  # a generative route's observer (sidecar.core.streams)
+        # An LLM request held for its token cost before admission (sidecar.apis.charge), and the
+        # model its path names ("" for an OpenAI route: the body names it).
+        self.hold: Charge | None = None
+        self.path_model = ""
+        self.length = 0  # Content-Length (0: none or chunked)
         self.out: list[bytes] = []
         self.req_bytes = 0
         self.resp_bytes = 0
@@ -248,17 +263,22 @@ class Exchange:
                 self.flush()
                 self.client.update_reading()
             return
+        self.shed(refusal)
+
+    def shed(self, refusal: Refusal) -> None:
+        """Refused by admission after its head was read: 429 (a per-model limit) or the
+        overload 503 (the global one), then close; nothing went upstream."""
         self.admitted = None
         if self.done:
             return
         client = self.client
         self.close_after = True
-        self.status = 429
+        self.status = 429 if refusal.retry_after else 503
         if client.exchanges and client.exchanges[0] is self:
-            client.transport.write(http_answer(refusal))
+            client.transport.write(http_answer(refusal) if refusal.retry_after else OVERLOAD_RESPONSE)
         else:  # behind a pipelined answer: it cannot be answered before that one, so close
             client.transport.abort()
-        self._close(STATUS_STR[429], None)
+        self._close(STATUS_STR[self.status], None if refusal.retry_after else contract.OUTCOME_SERVER_ERROR)
 
     # -- towards the upstream
     def start(self) -> None:
@@ -632,6 +652,8 @@ class ClientConn(asyncio.Protocol):
             if isinstance(cause, _Reject):
                 self.reject(cause.status)
                 return
+            if isinstance(cause, _Halt):
+                return
             log.exception("internal error in the HTTP proxy", exc_info=cause)
             self.reject(502)
             return
@@ -674,8 +696,8 @@ class ClientConn(asyncio.Protocol):
         """Pause reading while the upstream is not draining what this client sends."""
         ex = self.exchanges[0] if self.exchanges else None
         pause = self.upstream_blocked or len(self.exchanges) > 1
-        if ex is not None and ex.upstream is None and ex.pending_size > HIGH_WATER:
-            pause = True
+        if ex is not None and ex.upstream is None and ex.pending_size > HIGH_WATER and ex.hold is None:
+            pause = True  # (a held body is read up to charge.WINDOW, then decided)
         if pause != self.reading_paused and not self.closed:
             self.reading_paused = pause
             if pause:
@@ -787,7 +809,16 @@ class ClientConn(asyncio.Protocol):
         proxy.requests += 1
 
         admission = proxy.admission  # sidecar.core.admission: the limits, one for all protocols
-        got = admission.acquire(model, 0, ex.woken if admission.per_model else None)
+        if api is not None and admission.per_model and (api.scans_body or admission.charges_tokens(model)):
+            # An LLM request: its token cost (and for OpenAI its model) is in the body. Hold the
+            # body until it is read, under the global limit only; then admit it for its model.
+            ex.hold = api.charge()
+        if ex.hold is not None:
+            ex.path_model = model
+            got = admission.acquire(contract.MODEL_NONE)
+            model = contract.MODEL_NONE
+        else:
+            got = admission.acquire(model, 0, ex.woken if admission.per_model else None)
         if type(got) is Refusal and got.retry_after:  # a per-model limit shed it: 429, nothing upstream
             self.exchanges.pop()
             self.parsing = None
@@ -820,6 +851,13 @@ class ClientConn(asyncio.Protocol):
             self.dl_kind = _WAIT
         if expect:
             self.transport.write(CONTINUE)
+        if ex.hold is not None:
+            ex.length = length
+            if not (chunked or length):  # no body: decided now (else on_body / on_message_complete)
+                self.decide(ex)
+                if self.closed:
+                    raise _Halt
+            return
         if len(self.exchanges) == 1 and ex.waiting is None:
             ex.start()
 
@@ -839,6 +877,11 @@ class ClientConn(asyncio.Protocol):
             ex.llm.request_body(body)
         ex.pending_size += n
         self.deadline = self.proxy.loop.time() + self.proxy.config.body_timeout
+        hold = ex.hold
+        if hold is not None and (hold.feed(body) or ex.req_bytes >= WINDOW):
+            self.decide(ex)
+            if self.closed:
+                raise _Halt
 
     def on_message_complete(self) -> None:
         ex = self.parsing
@@ -852,6 +895,36 @@ class ClientConn(asyncio.Protocol):
         ex.req_complete = True
         if self.dl_kind == _BODY:
             self.dl_kind = _WAIT
+        if ex.hold is not None:
+            self.decide(ex)
+            if self.closed:
+                raise _Halt
+
+    def decide(self, ex: Exchange) -> None:
+        """A held LLM request's body named its model and cost (or ended, or filled the window):
+        trade its global slot for the model's admission, charged the tokens (429 when shed)."""
+        charge = ex.hold
+        assert charge is not None
+        ex.hold = None
+        charge.finish()
+        proxy = self.proxy
+        model = ex.path_model
+        name = charge.model
+        if name is not None and not model:  # an OpenAI body's model; a served name maps to its model
+            model = proxy.streams.served_name(name)[0]  # type: ignore[union-attr]
+        got = proxy.admission.transfer(model, charge.tokens(max(ex.req_bytes, ex.length)), ex.woken)
+        if got is None or type(got) is Waiting:
+            ex.admitted = model
+            if got is not None:
+                ex.waiting = got  # type: ignore[assignment]
+            elif self.exchanges and self.exchanges[0] is ex:
+                ex.start()  # the rest goes as data_received flushes
+            return
+        ex.admitted = None
+        if self.parsing is ex:
+            self.parsing = None
+        self.keep_alive = False
+        ex.shed(got)  # type: ignore[arg-type]
 
     # -- endings
     def exchange_done(self, ex: Exchange) -> None:
@@ -875,7 +948,7 @@ class ClientConn(asyncio.Protocol):
             return
         if self.exchanges:
             nxt = self.exchanges[0]
-            if nxt.waiting is None:  # a queued one starts when admission wakes it
+            if nxt.waiting is None and nxt.hold is None:  # a queued or held one starts when admitted
                 nxt.start()
                 nxt.flush()
         elif self.dl_kind == _WAIT:
