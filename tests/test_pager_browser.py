@@ -1,6 +1,6 @@
 """The inbox as an on-call engineer sees it: rendered by a real headless Chromium at 1280x900,
 with the pager's own Content-Security-Policy in force. The test asserts what is on screen,
-and saves the screenshot; ``PAGER_SCREENSHOT=docs/pager-inbox.png`` writes the README's."""
+and saves the screenshot; ``PAGER_SCREENSHOT=docs/img/pager-inbox.png`` writes alert_rules/README.md's."""
 
 from __future__ import annotations
 
