@@ -207,6 +207,45 @@ def test_token_bucket_charges_the_request_cost() -> None:
     assert shed(reg, "m", SHED_TOKENS) == 2
 
 
+def test_a_cost_over_the_capacity_takes_the_whole_bucket() -> None:
+    a, clock = admission({"tokens": {"capacity": 1000, "fill_rate": 100}})
+    assert a.acquire("m", tokens=5000) is None  # a full bucket: charged its capacity, not refused forever
+    assert a.acquire("m", tokens=1) is not None
+    clock.now += 10.0
+    assert a.acquire("m", tokens=10**12) is None
+
+
+def test_transfer_trades_the_global_slot_for_the_models_admission() -> None:
+    """The HTTP proxy holds an LLM body as MODEL_NONE, then transfers it to the model it names."""
+
+    async def main() -> None:
+        reg = CollectorRegistry()
+        limits = {"tokens": {"capacity": 100, "fill_rate": 0.01}, "concurrency": 1, "queue": 1}
+        a, _ = admission(limits, max_in_flight=2, registry=reg)
+        assert a.charges_tokens("m") and not a.charges_tokens(contract.MODEL_NONE)
+        assert a.acquire(contract.MODEL_NONE) is None and a.active == 1
+        assert a.transfer("m", 60) is None and a.active == 1  # the same slot, now the model's
+        assert a.acquire(contract.MODEL_NONE) is None and a.active == 2  # the global limit is full
+        refusal = a.transfer("m", 60)  # 40 tokens left: shed, and the slot is given back
+        assert refusal is not None and refusal.reason == SHED_TOKENS and a.active == 1  # type: ignore[union-attr]
+        assert shed(reg, "m", SHED_TOKENS) == 1
+        assert a.acquire(contract.MODEL_NONE) is None
+        woken: list[object] = []
+        waiting = a.transfer("m", 10, woken.append)  # the model's one slot is taken: queued
+        assert isinstance(waiting, Waiting) and a.active == 1
+        assert a.acquire(contract.MODEL_NONE) is None
+        # A body that names no model stays under the global limit only, whatever its cost.
+        assert a.transfer(contract.MODEL_NONE, 10**6) is None and a.active == 2
+        a.release(contract.MODEL_NONE)
+        a.release("m")
+        assert woken == [None] and a.active == 1
+        a.release("m")
+        assert a.active == 0
+        assert not admission(None)[0].charges_tokens("m")  # no limits at all
+
+    asyncio.run(main())
+
+
 def test_concurrency_without_queue_sheds_queue_full() -> None:
     reg = CollectorRegistry()
     a, _ = admission({"concurrency": 2}, registry=reg)
