@@ -184,7 +184,9 @@ class Receiver(_Strict):
     slack: list[Slack] = []
 
 
-class Route(_Strict):
+class AlertRoute(_Strict):
+    """One severity's Alertmanager route (the sidecar's ``Route`` is a URL pattern)."""
+
     receiver: Name
     group_wait: Duration
     group_interval: Duration = "5m"
@@ -196,9 +198,11 @@ class Routing(_Strict):
     ``info`` goes to a low-urgency channel."""
 
     group_by: list[str] = ["alertname", "model", "version"]
-    critical: Route = Route(receiver="pager", group_wait="10s", group_interval="1m", repeat_interval="1h")
-    warning: Route = Route(receiver="ticket", group_wait="30s", repeat_interval="4h")
-    info: Route = Route(receiver="low-urgency", group_wait="1m", repeat_interval="12h")
+    critical: AlertRoute = AlertRoute(
+        receiver="pager", group_wait="10s", group_interval="1m", repeat_interval="1h"
+    )
+    warning: AlertRoute = AlertRoute(receiver="ticket", group_wait="30s", repeat_interval="4h")
+    info: AlertRoute = AlertRoute(receiver="low-urgency", group_wait="1m", repeat_interval="12h")
     receivers: list[Receiver] = [
         Receiver(name="pager", webhooks=[Webhook(url="http://127.0.0.1:9095/webhook")]),
         Receiver(name="ticket", webhooks=[Webhook(url="http://127.0.0.1:9095/webhook")]),
