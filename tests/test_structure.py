@@ -111,3 +111,33 @@ def test_the_stack_modules_import_one_way() -> None:
         "inferwatch.stack.observe",
         "inferwatch.stack.timing",
     }
+
+
+def test_every_command_reads_its_spec_through_one_loader() -> None:
+    """The components read a spec file only through ``inferwatch.spec.load_spec_for_cli``
+    (one default path, one error style); ``load_spec`` itself is that loader's helper."""
+    packages = (
+        "alert_rules",
+        "dashboards",
+        "deploy",
+        "exporters",
+        "inferwatch",
+        "reference_server",
+        "sidecar",
+    )
+    direct = []
+    for path in sorted(p for pkg in packages for p in (ROOT / pkg).rglob("*.py")):
+        if path == ROOT / "inferwatch" / "spec.py":
+            continue
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"), str(path))):
+            func = node.func if isinstance(node, ast.Call) else None
+            name = (
+                func.id
+                if isinstance(func, ast.Name)
+                else func.attr
+                if isinstance(func, ast.Attribute)
+                else None
+            )
+            if name == "load_spec":
+                direct.append(f"{path.relative_to(ROOT)}:{node.lineno}")
+    assert direct == []
