@@ -418,6 +418,70 @@ def test_two_thousand_unknown_model_names_keep_the_labels_bounded(sidecar: Sidec
         assert {labels["model"] for labels, _ in samples.get(name, ())} <= {"tiny-llm", c.MODEL_NONE}, name
 
 
+def test_tokens_bucket_sheds_on_the_bodys_model_and_max_tokens(vllm: Upstream, tmp_path: Path) -> None:
+    """Per-model limits on the OpenAI API (sidecar/README.md, "Overload protection"): the body is
+    held until its model and max_tokens are read, so a tokens bucket of 3 requests' worth (and one
+    malformed body's, charged the default) admits 3 of a burst and sheds the rest with 429 reason
+    ``tokens``, the canary's served name included (its model's bucket); the official client sees a
+    RateLimitError. The malformed body gets vLLM's own answer, a body without a model is served as
+    before (global limit only), nothing stays in flight."""
+    import yaml
+
+    from sidecar.apis.charge import DEFAULT_MAX_TOKENS
+
+    m = 8
+    body = json.dumps({"model": "tiny-llm", "messages": CHAT, "max_tokens": m, "stream": True}).encode()
+    cost = -(-len(body) // 4) + m
+    bad = b'{"model": "tiny-llm", "messages": ['  # names its model: charged, then refused by vLLM
+    bad_cost = -(-len(bad) // 4) + DEFAULT_MAX_TOKENS
+    llm = {
+        "name": "tiny-llm",
+        "latency_sla_ms": 30000,
+        "served_names": {"tiny-llm": "1", "tiny-llm-canary": "2"},
+        "limits": {"tokens": {"capacity": 3 * cost + bad_cost, "fill_rate": 0.01}},
+    }
+    spec = tmp_path / "fleet.yaml"
+    spec.write_text(yaml.safe_dump({"models": [llm]}))
+    headers = {"content-type": "application/json"}
+    args = ("--spec", str(spec), "--grpc-port", "0")
+    with launch_sidecar(vllm.addr, "127.0.0.1:1", tmp_path, *args, name="limited") as sc:
+        before = _scrape(sc.metrics_url)
+        streams = []
+        with httpx.Client(base_url=sc.base_url, timeout=120) as client:
+            direct_bad = httpx.post(
+                vllm.url + "/v1/chat/completions", content=bad, headers=headers, timeout=60
+            )
+            proxied_bad = client.post("/v1/chat/completions", content=bad, headers=headers)
+            for _ in range(3):
+                with client.stream("POST", "/v1/chat/completions", content=body, headers=headers) as r:
+                    streams.append((r.status_code, r.read()))
+            shed = client.post("/v1/chat/completions", content=body, headers=headers)
+            canary = body.replace(b'"tiny-llm"', b'"tiny-llm-canary"')
+            shed_canary = client.post("/v1/chat/completions", content=canary, headers=headers)
+            no_model = json.dumps({"messages": CHAT, "max_tokens": 2}).encode()
+            served = client.post("/v1/chat/completions", content=no_model, headers=headers)
+        with pytest.raises(openai.RateLimitError):
+            _client(sc.base_url).chat.completions.create(model="tiny-llm", messages=CHAT, max_tokens=m)
+        after = _scrape(sc.metrics_url)
+
+    assert [status for status, _ in streams] == [200] * 3
+    assert all(raw.rstrip().endswith(b"data: [DONE]") for _, raw in streams)
+    for r in (shed, shed_canary):
+        assert r.status_code == 429 and r.json()["reason"] == "tokens" and r.headers["retry-after"], r.text
+    assert served.status_code == 200  # no model to charge: as before, vLLM serves its first name
+    assert proxied_bad.status_code == direct_bad.status_code == 400
+    assert proxied_bad.json().keys() == direct_bad.json().keys()
+
+    def delta(name: str, **match: str) -> float:
+        return _total(after, name, **match) - _total(before, name, **match)
+
+    assert delta(c.REQUESTS_SHED.name, model="tiny-llm", reason="tokens") == 3
+    assert delta(c.REQUESTS_TOTAL.name, model="tiny-llm", code="429") == 3
+    assert delta(c.REQUESTS_TOTAL.name, model="tiny-llm", code="400") == 1
+    assert delta(c.REQUESTS_TOTAL.name, model="tiny-llm", version="1", code="200") == 3
+    assert _total(after, c.REQUESTS_IN_FLIGHT.name) == 0
+
+
 def test_spans_carry_the_gen_ai_attributes(vllm: Upstream, tmp_path: Path) -> None:
     env = {"OTEL_TRACES_EXPORTER": "console", "OTEL_BSP_SCHEDULE_DELAY": "100"}
     args = ("--spec", str(FLEET), "--grpc-port", "0", "--trace-sample-ratio", "1")
