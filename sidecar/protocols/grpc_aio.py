@@ -22,7 +22,8 @@ Counting (one observation per request, each closed by exactly one ``Telemetry.en
   INTERNAL "Internal error from Core" in place of the upstream's code.
 
 A call ``sidecar.core.admission`` refuses (past ``--max-in-flight`` requests in flight across the
-sidecar's protocols; a stream counts once) gets one fixed, counted answer: RESOURCE_EXHAUSTED.
+sidecar's protocols, or a per-model limit; a stream counts once, admitted on its first message
+under the model it names) gets one fixed, counted answer: RESOURCE_EXHAUSTED.
 User documentation: ``sidecar/GRPC.md``.
 """
 
@@ -209,7 +210,7 @@ class GrpcProxy:
             )
         path = f"/{SERVICE}/{STREAM_METHOD}"
         self._handlers[path] = grpc.stream_stream_rpc_method_handler(
-            self._limited(self._stream_infer(channel.stream_stream(path), path), path)
+            self._limited_stream(self._stream_infer(channel.stream_stream(path), path), path)
         )
 
     def _passthrough(self, path: str) -> grpc.RpcMethodHandler:
@@ -248,6 +249,40 @@ class GrpcProxy:
                 await context.abort(_EXHAUSTED, refusal.message)
             try:
                 return await handler(request, context)
+            finally:
+                admission.release(model)
+
+        return limited
+
+    def _limited_stream(self, handler: Callable, path: str) -> Callable:
+        """``ModelStreamInfer`` behind admission. A stream counts once; with per-model limits it
+        is admitted on its first message, under the model that message names (a refusal is
+        counted as that message, RESOURCE_EXHAUSTED), else on arrival under the global limit."""
+        admission, tel = self.admission, self._tel
+        name, outcome = self._codes[_EXHAUSTED]
+        span_name, attributes = span_attributes(path)
+
+        async def limited(requests: AsyncIterator[bytes], context: grpc.aio.ServicerContext) -> Any:
+            # Checked per stream: a SIGHUP may turn per-model limits on or off.
+            if not admission.per_model and not admission.limit:
+                return await handler(requests, context)
+            model = version = MODEL_NONE
+            first: bytes | None = None
+            if admission.per_model:
+                messages = requests.__aiter__()
+                try:
+                    first = await messages.__anext__()
+                    model, version, _ = read_strings(first, *STREAM_FIELDS[:2])
+                except (StopAsyncIteration, WireError):
+                    pass  # no message, or one the upstream will judge: the global limit only
+                requests = _prepended(first, messages)
+            refusal = await admission.admit(model) if model else admission.acquire(MODEL_NONE)
+            if refusal is not None:
+                obs = tel.begin(model, version, PROTOCOL_GRPC, None, span_name, attributes)
+                tel.end(obs, name, outcome, len(first or b""), 0)
+                await context.abort(_EXHAUSTED, refusal.message)
+            try:
+                return await handler(requests, context)
             finally:
                 admission.release(model)
 
@@ -453,6 +488,14 @@ async def _forward_initial_metadata(call: Any, context: grpc.aio.ServicerContext
     initial = await call.initial_metadata()
     if initial:
         await context.send_initial_metadata(tuple(initial))
+
+
+async def _prepended(first: bytes | None, messages: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
+    """The client's messages, the one already read for admission first."""
+    if first is not None:
+        yield first
+    async for msg in messages:
+        yield msg
 
 
 def _let_finish(pump: asyncio.Task) -> None:

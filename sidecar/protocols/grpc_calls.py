@@ -73,7 +73,8 @@ class Call:
         self.dropped = False  # the relay answered this call itself; later frames are dropped
         self.counted = False  # holds a place in the in-flight limit
         # Per-model limits (sidecar.core.admission): the model it was admitted under, and whether its
-        # admission waits for its message (the header block is held meanwhile, as with tracing).
+        # admission waits for its (first) message: a unary call's header block is held meanwhile,
+        # as with tracing; a stream's goes up at once.
         self.admitted = ""
         self.admit_later = False
         self.answer: tuple[str, str] | None = None  # the relay's own answer, sent once the model is known

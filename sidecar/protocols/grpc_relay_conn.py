@@ -33,8 +33,10 @@ Flow control, PING, PRIORITY and GOAWAY pass through untouched, so the two ends 
 with each other. The relay synthesises frames only where it must answer itself, always with
 stateless header representations: the upstream cannot be reached (every call gets
 UNAVAILABLE, then GOAWAY so the client reconnects), it dropped the connection (open calls get
-UNAVAILABLE trailers), the in-flight limit or the message-size limit refuses a call
-(RESOURCE_EXHAUSTED), or the relay itself failed (INTERNAL, then GOAWAY and close; logged).
+UNAVAILABLE trailers), the in-flight limit, a per-model limit (a unary call on its message, a
+stream on its first message; the stream's upstream half is then reset) or the message-size
+limit refuses a call (RESOURCE_EXHAUSTED), or the relay itself failed (INTERNAL, then GOAWAY and
+close; logged).
 
 Counting is the same contract as ``sidecar.protocols.grpc_aio``. HTTP/2 framing and HPACK live in
 ``sidecar.protocols.h2``, the method table in ``sidecar.protocols.grpc_methods``.
@@ -595,8 +597,10 @@ class _Conn:
             self._withhold(sid, st, UNAVAILABLE, self._unavailable_message(), first_flags)
             return b""
         # Admitted on the header block, before the message names the model; with per-model
-        # limits a unary call's block waits for its message (as with tracing), admitted then.
-        later = st.kind == UNARY and not end_stream and relay.admission.per_model
+        # limits a unary call's block waits for its message (as with tracing), admitted then,
+        # and a stream is admitted on its first message (its block goes up now: a stream's
+        # first message may come much later, and nothing else on the connection may wait).
+        later = st.kind != OTHER and not end_stream and relay.admission.per_model
         if later:
             st.admit_later = True
         else:
@@ -610,7 +614,7 @@ class _Conn:
         effective = timeout if timeout is not None and timeout <= relay.timeout else relay.timeout
         st.deadline = time.monotonic() + effective
         trace = self.tracing and st.kind != STREAM  # a stream's header goes before any message
-        hold = trace or later
+        hold = trace or (later and st.kind == UNARY)
         if effective == timeout and not hold:
             # The client's own deadline and no span context to pass: the block goes as it came.
             if st.kind == OTHER:
@@ -707,6 +711,12 @@ class _Conn:
                     self._answer(sid, st, model, version, bool(flags & END_STREAM))
                     return b""
                 self._fill_hole(sid, st, out, model, version)
+            elif st.admit_later and not self._admit_stream(
+                sid, st, model, version, length, bool(flags & END_STREAM), out
+            ):
+                if stop > start:  # bytes the upstream never sees: credit the client's window
+                    self._write_client(frame(WINDOW_UPDATE, 0, 0, (stop - start).to_bytes(4, "big")))
+                return b""
             if length > relay.max_message:
                 # Over the limit: stop the call upstream and answer the client ourselves.
                 self._finish_over_limit(sid, st, model, version, out)
@@ -740,6 +750,32 @@ class _Conn:
         self.holes -= 1
         st.dropped = True
         st.answer = (RESOURCE_EXHAUSTED, refusal.message)
+        return False
+
+    def _admit_stream(
+        self, sid: int, st: Call, model: str, version: str, length: int, client_done: bool, out: list
+    ) -> bool:
+        """Admit a stream on its first message (per-model limits). Refused (False): it is
+        counted once, as that message (the model's request, RESOURCE_EXHAUSTED) and answered
+        here; its upstream half, which saw only the header block, is reset; the client's later
+        frames are dropped."""
+        st.admit_later = False
+        refusal = self.relay.admission.acquire(model)  # no queue here, as for unary calls
+        if refusal is None:
+            st.counted = True
+            st.admitted = model
+            return True
+        assert st.pending is not None
+        out.append(frame(RST_STREAM, 0, sid, CANCEL.to_bytes(4, "big")))
+        st.dropped = True
+        st.pending.add("", self._begin(st, model, version), length + 5)
+        self.streams.pop(sid, None)
+        if not client_done:
+            self.refused.add(sid)
+        self._write_client(
+            self._end_here(sid, st, RESOURCE_EXHAUSTED, refusal.message)
+            + frame(RST_STREAM, 0, sid, NO_ERROR.to_bytes(4, "big"))
+        )
         return False
 
     def _finish_over_limit(self, sid: int, st: Call, model: str, version: str, out: list) -> None:
