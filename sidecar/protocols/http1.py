@@ -4,8 +4,12 @@ Per client connection one ``ClientConn`` (httptools request parser); per request
 ``Exchange`` (the request's only state object); per upstream connection one
 ``UpstreamConn`` (httptools response parser) kept alive in a LIFO pool. Bodies stream
 through chunk by chunk, never buffered whole: each read from one side becomes one write
-to the other (head and first body bytes joined). Chunked bodies are re-framed chunk for
-chunk, so the bytes of a body (JSON or Triton's binary tensor extension) arrive unchanged.
+to the other (head and first body bytes joined). One exception, only with per-model limits: an
+LLM request (an OpenAI route, or Triton's generate of a model with a ``tokens`` bucket) is held
+under the global limit until its body gives its model and token cost (``sidecar.apis.charge``,
+at most ``charge.WINDOW`` bytes), then admitted for its model (``ClientConn.decide``).
+Chunked bodies are re-framed chunk for chunk, so the bytes of a body (JSON or Triton's binary
+tensor extension) arrive unchanged.
 
 Hop-by-hop headers (RFC 9110 7.6.1: Connection and what it names, Keep-Alive,
 Proxy-Connection, TE, Transfer-Encoding, Upgrade, Trailer, Proxy-Authorization,
