@@ -251,9 +251,13 @@ def _level(text: str) -> str:
     return text.lower()
 
 
+# The gRPC engines (sidecar.protocols.grpc_aio.serve), the default first.
+GRPC_ENGINES = ("relay", "aio")
+
+
 def _engine(text: str) -> str:
-    if text not in ("relay", "aio"):
-        raise ValueError(f"{text!r} is not one of relay, aio")
+    if text not in GRPC_ENGINES:
+        raise ValueError(f"{text!r} is not one of {', '.join(GRPC_ENGINES)}")
     return text
 
 

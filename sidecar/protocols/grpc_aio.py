@@ -38,7 +38,7 @@ import grpc
 import grpc.aio
 
 from inferwatch.contract import MODEL_NONE, PROTOCOL_GRPC
-from sidecar.config import SidecarConfig
+from sidecar.config import GRPC_ENGINES, SidecarConfig
 from sidecar.core.admission import Admission
 from sidecar.core.health import UpstreamHealth
 from sidecar.core.telemetry import UPSTREAM_GRPC
@@ -527,7 +527,7 @@ class _Router(grpc.GenericRpcHandler):
         return handler if handler is not None else self._fallback(method)
 
 
-ENGINES = ("relay", "aio")
+ENGINES = GRPC_ENGINES  # named in the configuration, the one list
 
 
 async def serve(
