@@ -857,6 +857,9 @@ class ClientConn(asyncio.Protocol):
             self.transport.write(CONTINUE)
         if ex.hold is not None:
             ex.length = length
+            # A body trickled in under --body-timeout per pause is still bounded, as when it
+            # streams upstream: --request-timeout from its head (start() sets it again).
+            ex.deadline = proxy.loop.time() + config.request_timeout
             if not (chunked or length):  # no body: decided now (else on_body / on_message_complete)
                 self.decide(ex)
                 if self.closed:
