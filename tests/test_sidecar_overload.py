@@ -269,6 +269,58 @@ def test_http_held_bodies_bad_input_gets_todays_answers_and_leaks_nothing(triton
     assert "internal error" not in log and "Traceback" not in log
 
 
+def read_answers(conn: socket.socket, n: int) -> list[tuple[int, bytes]]:
+    """``n`` HTTP/1.1 answers (any framing) from a raw connection: (status, body); 1xx skipped."""
+    import httptools
+
+    out: list[tuple[int, bytes]] = []
+    body: list[bytes] = []
+
+    class Parser:
+        def on_body(self, data: bytes) -> None:
+            body.append(data)
+
+        def on_message_complete(self) -> None:
+            status = parser.get_status_code()
+            if status >= 200:
+                out.append((status, b"".join(body)))
+            body.clear()
+
+    parser = httptools.HttpResponseParser(Parser())
+    while len(out) < n:
+        chunk = conn.recv(65536)
+        assert chunk, out
+        parser.feed_data(chunk)
+    return out
+
+
+def test_http_held_bodies_pipelined_and_expect_continue(triton, tmp_path) -> None:
+    """Two held requests pipelined in one write are answered in order; a client that waits for
+    100-continue gets it (the body is needed before admission), then its answer."""
+    spec = write_spec(tmp_path, {STREAM_MODEL: {"tokens": {"capacity": 10**6, "fill_rate": 10**6}}})
+    path = f"/v2/models/{STREAM_MODEL}/versions/1/generate".encode()
+
+    def request(max_tokens: int, extra: bytes = b"") -> tuple[bytes, bytes]:
+        body = generate_body(max_tokens)
+        head = b"POST %b HTTP/1.1\r\nhost: x\r\ncontent-length: %d\r\n%b\r\n" % (path, len(body), extra)
+        return head, body
+
+    with launch_sidecar(triton.http_url, triton.grpc_url, tmp_path, "--spec", str(spec)) as sc:
+        with socket.create_connection(("127.0.0.1", sc.http_port), timeout=30) as conn:
+            conn.sendall(b"".join(request(2)) + b"".join(request(3)))
+            pipelined = read_answers(conn, 2)
+            head, body = request(4, b"expect: 100-continue\r\n")
+            conn.sendall(head)
+            assert conn.recv(4096).startswith(b"HTTP/1.1 100 Continue")
+            conn.sendall(body)
+            expected = read_answers(conn, 1)
+        in_flight = sc.counts(contract.REQUESTS_IN_FLIGHT.name, "model")
+
+    assert [(s, len(json.loads(b)["text_output"].split())) for s, b in pipelined] == [(200, 2), (200, 3)]
+    assert expected[0][0] == 200 and len(json.loads(expected[0][1])["text_output"].split()) == 4
+    assert all(v == 0 for v in in_flight.values()), in_flight
+
+
 # --------------------------------------------------------------------------- concurrency and queue
 
 
