@@ -632,7 +632,7 @@ REC_SERVER_ERROR_RATIO = "model_version:inferwatch_server_errors:ratio"
 REC_LATENCY_QUANTILE = "model_version:inferwatch_request_duration_seconds:quantile"
 # The latency histogram's buckets summed over pods, per model, version and le, as rates over
 # alerts.latency.window: recorded once, read by every quantile (deploy/SCALING.md).
-REC_LATENCY_BUCKET_RATE = "model_version:inferwatch_request_duration_seconds_bucket:rate"
+REC_LATENCY_BUCKET_RATE = "model_version_le:inferwatch_request_duration_seconds_bucket:rate"
 # Each model's latency SLA in seconds: the sidecar's SLA gauge, else the spec's default.
 REC_LATENCY_SLA = "model:inferwatch_latency_sla_seconds:effective"
 # Framebuffer used / (used + free + reserved) per GPU, with the GPU's dcgm labels.
@@ -654,8 +654,8 @@ REC_CANARY_LATENCY_QUANTILE = "model_version:inferwatch_canary_request_duration_
 REC_TTFT_QUANTILE = "model_version:inferwatch_time_to_first_token_seconds:quantile"
 REC_TPOT_QUANTILE = "model_version:inferwatch_time_per_output_token_seconds:quantile"
 # Their histograms' buckets summed over pods per model, version and le over alerts.latency.window.
-REC_TTFT_BUCKET_RATE = "model_version:inferwatch_time_to_first_token_seconds_bucket:rate"
-REC_TPOT_BUCKET_RATE = "model_version:inferwatch_time_per_output_token_seconds_bucket:rate"
+REC_TTFT_BUCKET_RATE = "model_version_le:inferwatch_time_to_first_token_seconds_bucket:rate"
+REC_TPOT_BUCKET_RATE = "model_version_le:inferwatch_time_per_output_token_seconds_bucket:rate"
 # Each LLM model's TTFT/TPOT SLA in seconds: the sidecar's gauge, else the spec's default.
 REC_TTFT_SLA = "model:inferwatch_ttft_sla_seconds:effective"
 REC_TPOT_SLA = "model:inferwatch_tpot_sla_seconds:effective"
