@@ -63,6 +63,11 @@ def main() -> int:
                             "delay": f.delay_s,
                             "minimum": f.minimum_s,
                             "resolve": f.resolve_delay_s,
+                            # Prometheus' activeAt before the injection: the alert was already
+                            # pending (the machine, not the fault), so its page times nothing.
+                            "early": f.active_at is not None
+                            and f.injected_at is not None
+                            and f.active_at < f.injected_at,
                         }
                     )
                 if not result.ok:
@@ -84,10 +89,11 @@ def main() -> int:
     print("| --- | --- | ---: | ---: | ---: | ---: | ---: |")
     for key in dict.fromkeys(r["fault"] for r in rows):
         mine = [r for r in rows if r["fault"] == key]
-        delays = [r["delay"] for r in mine if r["delay"] is not None]
+        early = sum(r["early"] for r in mine)
+        delays = [r["delay"] for r in mine if r["delay"] is not None and not r["early"]]
         resolves = [r["resolve"] for r in mine if r["resolve"] is not None]
         minimum = mine[0]["minimum"]
-        lost = len(mine) - len(delays)
+        lost = sum(r["delay"] is None for r in mine)
         med = statistics.median(delays) if delays else None
         print(
             f"| {key} | {mine[0]['alert']} | {minimum:g}s | "
@@ -98,11 +104,13 @@ def main() -> int:
             )
             + (f"{statistics.median(resolves):.1f}s" if resolves else "-")
             + (f" ({lost} lost)" if lost else "")
+            + (f" ({early} already pending before the fault, left out)" if early else "")
             + " |"
         )
     print(
         f"\nevaluation interval {duration_seconds(spec.prometheus.evaluation_interval):g}s; "
-        "'resolved after' is from clearing the fault to the resolved notification; "
+        "'resolved after' is from clearing the fault to the resolved notification; a run whose "
+        "alert was already pending when its fault was injected is left out of the delays; "
         f"pages no fault explains (steady phase included): {stray}."
     )
     if args.json:
