@@ -142,6 +142,18 @@ class _Reject(Exception):
         self.status = status
 
 
+class Held:
+    """An LLM request held before admission: its body's charge (``sidecar.apis.charge``), the
+    model its path names ("" on an OpenAI route: the body names it) and its Content-Length."""
+
+    __slots__ = ("charge", "length", "model")
+
+    def __init__(self, charge: Charge, model: str, length: int) -> None:
+        self.charge = charge
+        self.model = model
+        self.length = length
+
+
 class _Halt(Exception):
     """Raised inside a parser callback once the connection was answered and closed: parse no
     further (a pipelined request behind it must not start)."""
@@ -199,10 +211,8 @@ class Exchange:
         "done",
         "head_only",
         "hold",
-        "length",
         "llm",
         "out",
-        "path_model",
         "pending",
         "pending_size",
         "replay",
@@ -235,11 +245,7 @@ class Exchange:
         self.version10 = False
         self.upstream: UpstreamConn | None = None
         self.llm: StreamExchange | None = None  # a generative route's observer (sidecar.core.streams)
-        # An LLM request held for its token cost before admission (sidecar.apis.charge), and the
-        # model its path names ("" for an OpenAI route: the body names it).
-        self.hold: Charge | None = None
-        self.path_model = ""
-        self.length = 0  # Content-Length (0: none or chunked)
+        self.hold: Held | None = None  # an LLM request held for its token cost before admission
         self.out: list[bytes] = []
         self.req_bytes = 0
         self.resp_bytes = 0
@@ -813,12 +819,14 @@ class ClientConn(asyncio.Protocol):
         proxy.requests += 1
 
         admission = proxy.admission  # sidecar.core.admission: the limits, one for all protocols
+        hold = None
         if api is not None and admission.per_model and (api.scans_body or admission.charges_tokens(model)):
             # An LLM request: its token cost (and for OpenAI its model) is in the body. Hold the
             # body until it is read, under the global limit only; then admit it for its model.
-            ex.hold = api.charge()
-        if ex.hold is not None:
-            ex.path_model = model
+            charge = api.charge()
+            if charge is not None:
+                hold = ex.hold = Held(charge, model, length)
+        if hold is not None:
             got = admission.acquire(contract.MODEL_NONE)
             model = contract.MODEL_NONE
         else:
@@ -855,8 +863,7 @@ class ClientConn(asyncio.Protocol):
             self.dl_kind = _WAIT
         if expect:
             self.transport.write(CONTINUE)
-        if ex.hold is not None:
-            ex.length = length
+        if hold is not None:
             # A body trickled in under --body-timeout per pause is still bounded, as when it
             # streams upstream: --request-timeout from its head (start() sets it again).
             ex.deadline = proxy.loop.time() + config.request_timeout
@@ -885,7 +892,7 @@ class ClientConn(asyncio.Protocol):
         ex.pending_size += n
         self.deadline = self.proxy.loop.time() + self.proxy.config.body_timeout
         hold = ex.hold
-        if hold is not None and (hold.feed(body) or ex.req_bytes >= WINDOW):
+        if hold is not None and (hold.charge.feed(body) or ex.req_bytes >= WINDOW):
             self.decide(ex)
             if self.closed:
                 raise _Halt
@@ -910,16 +917,17 @@ class ClientConn(asyncio.Protocol):
     def decide(self, ex: Exchange) -> None:
         """A held LLM request's body named its model and cost (or ended, or filled the window):
         trade its global slot for the model's admission, charged the tokens (429 when shed)."""
-        charge = ex.hold
-        assert charge is not None
+        hold = ex.hold
+        assert hold is not None
         ex.hold = None
+        charge = hold.charge
         charge.finish()
         proxy = self.proxy
-        model = ex.path_model
+        model = hold.model
         name = charge.model
         if name is not None and not model:  # an OpenAI body's model; a served name maps to its model
             model = proxy.streams.served_name(name)[0]  # type: ignore[union-attr]
-        got = proxy.admission.transfer(model, charge.tokens(max(ex.req_bytes, ex.length)), ex.woken)
+        got = proxy.admission.transfer(model, charge.tokens(max(ex.req_bytes, hold.length)), ex.woken)
         if got is None or type(got) is Waiting:
             ex.admitted = model
             if got is not None:
