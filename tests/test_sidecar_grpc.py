@@ -116,12 +116,8 @@ class InProcessProxy:
 
 
 class SmallTriton:
-    """A second Triton serving ``ranker`` only, started without a fork-time hook.
-
-    ``TritonServer.start`` forks with a ``preexec_fn``; a fork while gRPC threads of this test
-    process are busy can crash the child before it execs (seen once). ``Processes.start`` runs
-    no Python in the child, so restarting an upstream in the middle of gRPC traffic is safe.
-    """
+    """A second Triton serving ``ranker`` only, started through ``Processes.start`` (the test's
+    process registry, which stops it at the end), with ``TritonServer``'s argv and backends."""
 
     def __init__(self, processes: Processes, state_dir: Path, grpc_port: int = 0, *extra: str) -> None:
         self.processes = processes
