@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import queue
+import time
 from collections.abc import Iterator
 
 import grpc
@@ -105,6 +106,14 @@ def infer_ranker_http(sidecar) -> httpx.Response:
     return httpx.post(f"{sidecar.base_url}/v2/models/ranker/versions/1/infer", json=body, timeout=30)
 
 
+def wait_idle(sidecar, timeout: float = 30.0) -> None:
+    """Until the sidecar has no request in flight (a client's leaving reaches it asynchronously)."""
+    deadline = time.monotonic() + timeout
+    while sum(sidecar.counts(contract.REQUESTS_IN_FLIGHT.name).values()) > 0:
+        assert time.monotonic() < deadline, "requests still in flight after their clients left"
+        time.sleep(0.05)
+
+
 def ready_grpc(sidecar) -> None:
     with grpc.insecure_channel(sidecar.grpc_url) as channel:
         live = channel.unary_unary("/inference.GRPCInferenceService/ServerLive")
@@ -124,11 +133,14 @@ def test_max_in_flight_is_the_total_across_http_and_grpc(triton, tmp_path, engin
                 ready_grpc(sc)
             assert info.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
             assert "more than 2 requests in flight" in info.value.details()
-        # Both released (the client left): the gRPC side admits again.
+        # Both released (the client left; the sidecar learns it a moment later): the gRPC side
+        # admits again.
+        wait_idle(sc)
         ready_grpc(sc)
         # Two gRPC streams in flight: an HTTP request is refused, 503.
         with held_grpc_streams(sc, 2):
             assert infer_ranker_http(sc).status_code == 503
+        wait_idle(sc)
         assert infer_ranker_http(sc).status_code == 200
         after = sc.counts(REQUESTS, "protocol", "code")
 
