@@ -32,6 +32,17 @@ PORT_NAMES = (
 )
 # With ``inferwatch up --llm``: the real vLLM and an LLM sidecar of its own in front of it.
 LLM_PORT_NAMES = ("vllm", "llm_sidecar_http", "llm_sidecar_metrics")
+# vLLM's KV cache in the LLM stack, in blocks (``inferwatch vllm --kv-cache-blocks``; the CPU
+# build's blocks hold 128 tokens): 76 blocks (75 usable) hold 18 of the LLM demo's 4-block
+# batch requests (demo_llm.py), 96% of the cache, 91% while one of them is being replaced, with
+# 3 blocks to spare for the interactive streams, which take one block each and so stay near 1%
+# on their own. Fewer requests would dip under the alert's 90% each time one finishes; more
+# would make every engine step, and so every interactive first token, slower. Whole GiB
+# (--kv-cache-gib) would hold 2,048 blocks, which 2 cores cannot fill.
+LLM_KV_CACHE_BLOCKS = 76
+# With priority scheduling the interactive streams (priority 0) are admitted before the batch
+# requests that wait for cache blocks (priority 1), as a fleet mixing both would run vLLM.
+LLM_SCHEDULING_POLICY = "priority"
 # The two clustered Alertmanagers: (component name, web port, gossip port, its peer's gossip port).
 ALERTMANAGERS = (
     ("alertmanager", "alertmanager", "alertmanager_cluster", "alertmanager_2_cluster"),

@@ -57,7 +57,7 @@ class StackConfig:
     restart: RestartPolicy = field(default_factory=RestartPolicy)
     # ``up --llm``: the real vLLM (``inferwatch vllm``) and an LLM sidecar of its own.
     llm: bool = False
-    kv_cache_gib: int | None = None  # vLLM's KV cache; None: ``inferwatch vllm``'s default
+    kv_cache_gib: int | None = None  # vLLM's KV cache in GiB; None: config.LLM_KV_CACHE_BLOCKS
 
     @property
     def port_names(self) -> tuple[str, ...]:
@@ -332,7 +332,13 @@ class Stack:
 
         llm = []
         if c.llm:
-            kv = () if c.kv_cache_gib is None else ("--kv-cache-gib", f"{c.kv_cache_gib}")
+            # A cache of whole GiB when asked for, else the small one the LLM demo saturates.
+            kv = (
+                ("--kv-cache-blocks", str(cfg.LLM_KV_CACHE_BLOCKS))
+                if c.kv_cache_gib is None
+                else ("--kv-cache-gib", f"{c.kv_cache_gib}")
+            )
+            kv += ("--scheduling-policy", cfg.LLM_SCHEDULING_POLICY)
             llm = [
                 Component(
                     "vllm",

@@ -47,8 +47,16 @@ def register(sub: argparse._SubParsersAction) -> None:
         "--kv-cache-blocks",
         type=int,
         default=None,
-        help="cap the KV cache at N blocks of 16 tokens (vLLM's --num-gpu-blocks-override); 128 blocks "
-        "hold four 512-token sequences, which saturates it on purpose (default: no cap)",
+        help="cap the KV cache at N blocks (vLLM's --num-gpu-blocks-override); the CPU build's blocks hold "
+        "128 tokens, so 16 blocks hold four 512-token sequences: a small cap saturates it on purpose "
+        "(default: no cap)",
+    )
+    p.add_argument(
+        "--scheduling-policy",
+        choices=("fcfs", "priority"),
+        default=None,
+        help="vLLM's scheduling policy; priority serves requests with a lower 'priority' field first "
+        "(the LLM demo's batch requests ask for 1, interactive ones keep 0) (default: vLLM's, fcfs)",
     )
     p.add_argument("--log-file", default=None, help="vLLM's log (default: STATE_DIR/vllm/vllm.log)")
     p.add_argument(
@@ -90,6 +98,7 @@ def _vllm(args: argparse.Namespace) -> int:
         port=args.port,
         kv_cache_gib=args.kv_cache_gib,
         kv_cache_blocks=args.kv_cache_blocks,
+        extra_args=("--scheduling-policy", args.scheduling_policy) if args.scheduling_policy else (),
         log_file=args.log_file or state_dir() / "vllm" / "vllm.log",
         python=args.python,
         ready_timeout=args.ready_timeout,
