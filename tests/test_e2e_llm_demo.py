@@ -32,9 +32,11 @@ EXPECTED = {
     # budget's fast burn) inhibits this info page: had one fired, the page would be missing.
     contract.ALERT_LLM_KV_CACHE_SATURATION: {contract.L_MODEL: KV_MODEL},
 }
-# vLLM's model on a busy 2-core machine: CPU stalls can truly push its TTFT over its 200 ms
-# SLA (the rules doing their job: its warnings, its TTFT budget's burn); any other page, or
-# one on tiny_stream, is a wiring bug.
+# vLLM's model on a busy 2-core machine: CPU stalls (other processes, and the KV round's own
+# batch load on the same cores) can truly push a first token over its 200 ms SLA, and early in
+# a run the budget's windows hold so few streams that one such token burns it (the rules doing
+# their job: its warnings, its TTFT budget's burn); any other page, or one on tiny_stream, is
+# a wiring bug. A critical one during the KV round is not tolerated (below).
 CONTENTION = {
     contract.ALERT_HIGH_TTFT,
     contract.ALERT_HIGH_TPOT,
@@ -65,7 +67,8 @@ def test_the_llm_incident_pages_and_resolves_and_stops(tmp_path: Path) -> None:
     assert "every fault paged and resolved" in demo.stdout
     assert "stack stopped; no process left" in demo.stderr
     result = json.loads(out.read_text())
-    print(json.dumps([{k: f[k] for k in ("title", "delay_s", "minimum_s")} for f in result["faults"]]))
+    keys = ("title", "delay_s", "minimum_s", "resolve_delay_s")
+    print(json.dumps([{k: f[k] for k in keys} for f in result["faults"]]))
 
     assert result["ok"] and result["problems"] == []
     # Streams went through both sidecars, and the healthy phase paged nothing.
@@ -87,6 +90,16 @@ def test_the_llm_incident_pages_and_resolves_and_stops(tmp_path: Path) -> None:
         print(f"note: a page outside the faults: {page['alertname']} {page['labels']}")
 
     assert set(faults) == set(EXPECTED) and not any(f["skipped"] for f in faults.values()), faults
+    # The KV round itself must not burn tiny-llm's TTFT budget into a critical (it would inhibit
+    # the info page, and it would mean the batch load hurt the interactive streams).
+    during = [
+        p
+        for p in result["pages"]
+        if p["severity"] == contract.SEVERITY_CRITICAL
+        and p["labels"].get(contract.L_MODEL) == KV_MODEL
+        and kv["injected_at"] <= p["received_at"] <= kv["cleared_at"]
+    ]
+    assert during == [], during
     # The batch load ran through the LLM sidecar, and vLLM answered it.
     batch = result["traffic"]["kv-batch"]
     assert batch["ok"] > 0 and batch["errors"] == {}, batch

@@ -20,7 +20,10 @@ so its length is exact) and up to a block of output with ``ignore_eos``, never p
 fourth block, so none grows into a block it cannot get (no preemption). As many as the cache
 holds run, and ``BATCH_QUEUE`` more wait in vLLM's queue, so a finished request is replaced
 at the engine's next step and a stalled sender does not drain the cache. Usage then sits
-near 96%, above the rule's 90%, and dips by one request's blocks (4%) when one finishes.
+near 96%, above the rule's 90%, and dips by one request's blocks (5%) in the engine step
+after one finishes. Two finishing in one step take it under 90% for that step (a long one:
+the replacements' prefill), which resets the rule's ``for``: the page then comes a ``for``
+later, or after the demo's deadline (inferwatch/stack/README.md has the measurements).
 
 What keeps the round from paging on tiny-llm's TTFT instead (its critical budget burn would
 inhibit the info page): the batch requests are not streamed, so the sidecar records no first
