@@ -17,6 +17,7 @@ import yaml
 
 from inferwatch import contract
 from inferwatch.spec import duration_seconds, load_spec
+from inferwatch.stack.config import LLM_KV_CACHE_BLOCKS
 from inferwatch.stack.core import STACK_FILE, Stack, StackConfig, free_ports, parse_port_overrides
 from tests.fixtures.net import ROOT, VENV_BIN, inferwatch_cmd, wait_http
 
@@ -311,6 +312,16 @@ def test_up_llm_runs_vllm_and_a_sidecar_of_its_own_scraped_by_prometheus(tmp_pat
     assert order == sorted(order)
     vllm, sidecar = comps["vllm"].cmd, comps["llm-sidecar"].cmd
     assert vllm[vllm.index("--port") + 1] == str(p["vllm"])
+    # The small cache the LLM demo saturates, and priority scheduling for its batch requests.
+    assert vllm[vllm.index("--kv-cache-blocks") + 1] == str(LLM_KV_CACHE_BLOCKS)
+    assert vllm[vllm.index("--scheduling-policy") + 1] == "priority" and "--kv-cache-gib" not in vllm
+    gib = Stack(
+        StackConfig(
+            spec_path=DEMO_SPEC, state_dir=tmp_path / "gib", ports=free_ports(), llm=True, kv_cache_gib=2
+        )
+    )
+    gib_cmd = {c.name: c for c in gib.components()}["vllm"].cmd
+    assert gib_cmd[gib_cmd.index("--kv-cache-gib") + 1] == "2" and "--kv-cache-blocks" not in gib_cmd
     assert sidecar[sidecar.index("--upstream-http") + 1] == f"127.0.0.1:{p['vllm']}"
     assert sidecar[sidecar.index("--http-port") + 1] == str(p["llm_sidecar_http"])
     assert sidecar[sidecar.index("--metrics-port") + 1] == str(p["llm_sidecar_metrics"])

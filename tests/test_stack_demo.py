@@ -142,7 +142,7 @@ def test_the_rule_timings_are_the_ones_the_alert_groups_export(monkeypatch) -> N
 
 
 def test_the_llm_incident_plans_one_page_per_fault_with_its_minimum() -> None:
-    from inferwatch.stack.demo_llm import SATURATION_SKIPPED, LlmDemo, LlmScenario
+    from inferwatch.stack.demo_llm import KV_MODEL, LlmDemo, LlmScenario
 
     demo = LlmDemo.__new__(LlmDemo)  # the plan needs only the spec and the scenario
     demo.spec, demo.sc = DEMO, LlmScenario()
@@ -155,5 +155,34 @@ def test_the_llm_incident_plans_one_page_per_fault_with_its_minimum() -> None:
     assert (ttft.severity, ttft.minimum_s, ttft.resolve_bound_s) == ("warning", 30 + 2 + 3, 20 + 2 + 5)
     assert ttft.match == {contract.L_MODEL: "tiny_stream", contract.L_VERSION: "2"}
     kv = faults[contract.ALERT_LLM_KV_CACHE_SATURATION]
-    assert (kv.severity, kv.minimum_s, kv.skipped) == ("info", 15 + 2 + 5, SATURATION_SKIPPED)
+    assert (kv.severity, kv.minimum_s, kv.skipped) == ("info", 15 + 2 + 5, "")
+    assert kv.match == {contract.L_MODEL: KV_MODEL} and KV_MODEL == "tiny-llm"  # vLLM's first served name
     assert LlmScenario().ttft_ms > 2 * DEMO.defaults.ttft_sla_ms  # the regression crosses 2x the SLA
+    # One round per fault, the KV round first: no other fault shares the CPU with its load.
+    demo.faults = demo._plan()
+    assert [[f.key for f in r] for r in demo._rounds()] == [
+        ["kv-saturation"],
+        ["ttft-regression"],
+        ["stream-errors"],
+    ]
+
+
+def test_the_kv_round_fills_the_stacks_cache_past_the_alert_and_refuses_one_it_cannot() -> None:
+    """The batch load for the cache ``up --llm`` gives vLLM: whole 4-block requests that never
+    grow past their blocks, enough of them to stay above the alert's 90% while one is being
+    replaced, 3 blocks left for the 1-block interactive streams; a cache sized in GiB is too
+    big for this machine and a tiny one cannot stay above 90%: both are refused with a reason."""
+    from alert_rules.config import KV_CACHE_THRESHOLD
+    from inferwatch.stack.config import LLM_KV_CACHE_BLOCKS
+    from inferwatch.stack.demo_llm import BATCH_BLOCKS, BATCH_QUEUE, KvPlan
+
+    plan = KvPlan(block_size=128, blocks=LLM_KV_CACHE_BLOCKS)
+    assert plan.why_not() == ""
+    assert (plan.usable, plan.running, plan.clients) == (75, 18, 18 + BATCH_QUEUE)
+    assert plan.usage(plan.running) > plan.usage(plan.running - 1) > KV_CACHE_THRESHOLD
+    assert plan.usable - plan.running * BATCH_BLOCKS == 3  # free for interactive streams
+    lo, hi = plan.output_tokens
+    assert plan.prompt_tokens == 385 and (plan.prompt_tokens - 1) // 128 + 1 == BATCH_BLOCKS
+    assert 0 < lo < hi and plan.prompt_tokens + hi <= BATCH_BLOCKS * 128  # never a fifth block
+    assert "more than this machine keeps running" in KvPlan(128, 2048).why_not()  # 1 GiB
+    assert "under the alert's 90%" in KvPlan(128, 16).why_not()
