@@ -9,9 +9,9 @@ and in ``scripts/bootstrap``:
   server is started as ``python -m vllm.entrypoints.openai.api_server``;
 - ``VLLM_CPU_KVCACHE_SPACE`` (GiB) is set small; the CPU build reads it as a whole number of
   GiB, and 1 GiB holds about 262,000 tokens of the tiny model, far more than 2 cores can keep
-  busy. To provoke KV-cache saturation, ``kv_cache_blocks`` caps the cache in blocks of 16
-  tokens (vLLM's ``--num-gpu-blocks-override``, which this build honours: 128 blocks hold four
-  512-token sequences); ``--max-model-len 512`` and float32 keep the model within it;
+  busy. To provoke KV-cache saturation, ``kv_cache_blocks`` caps the cache in blocks, of 128
+  tokens on this build (vLLM's ``--num-gpu-blocks-override``, which it honours: 16 blocks hold
+  four 512-token sequences); ``--max-model-len 512`` and float32 keep the model within it;
 - the server needs 35 to 50 s to be ready (three processes: API server, engine core, worker),
   so the readiness wait is long and watches the process, not just the port.
 """
