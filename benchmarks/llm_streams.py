@@ -25,8 +25,9 @@ measurement cell is run once per round, the three targets one after another in a
 rotates each round, so the machine's noise falls on all three alike; figures are medians over
 rounds, and "added" is proxy minus direct within a round, then the median (with the spread). The
 proxy's CPU is user + system time from /proc (nginx: master and worker; one worker, keep-alive to
-the upstream, ``proxy_buffering off`` as SSE needs). At the end the sidecar's own
-``inferwatch_tokens_total`` is held against the tokens the client received through it.
+the upstream, ``proxy_buffering off`` as SSE needs). At the end the sidecar's own count of
+generated tokens (``contract.TOKENS_TOTAL``) is held against the tokens the client received
+through it.
 
 Usage (one command; about 15 minutes at the defaults, 2 with --quick):
 
@@ -60,6 +61,7 @@ import httpx  # noqa: E402
 from procstat import cpu_seconds, memory_kib  # noqa: E402
 from prometheus_client.parser import text_string_to_metric_families  # noqa: E402
 
+from inferwatch import contract  # noqa: E402
 from inferwatch.net import free_port  # noqa: E402
 
 TARGETS = ("direct", "sidecar", "nginx")
@@ -216,7 +218,10 @@ def tokens_counted(metrics_url: str) -> float:
     total = 0.0
     for family in text_string_to_metric_families(httpx.get(metrics_url, timeout=10).text):
         for s in family.samples:
-            if s.name == "inferwatch_tokens_total" and s.labels.get("type") == "generation":
+            if (
+                s.name == contract.TOKENS_TOTAL.name
+                and s.labels.get(contract.L_TOKEN_TYPE) == contract.TOKEN_GENERATION
+            ):
                 total += s.value
     return total
 
