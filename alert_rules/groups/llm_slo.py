@@ -63,18 +63,6 @@ KIND = promql.BurnRateSlo(
 )
 
 
-def burn(window: str, period: str) -> str:
-    return KIND.burn(window, period)
-
-
-def windows(slo: TtftSloTarget) -> list[str]:
-    return KIND.windows(slo)
-
-
-def pairs(severity: str, example: TtftSloTarget) -> list[tuple[float, str, str]]:
-    return KIND.pairs_for(severity, example)
-
-
 def alert_expr(severity: str, period: str, example: TtftSloTarget) -> str:
     return KIND.alert_expr(severity, period, example)
 
@@ -92,7 +80,8 @@ def group(cfg: RulesConfig) -> dict:
                 "steadily: at this rate it is gone by the end of the period",
             ),
         ):
-            said = " or ".join(f"{f:g}x over {lw} and {sw}" for f, lw, sw in pairs(severity, slos[0]))
+            pairs = KIND.pairs_for(severity, slos[0])
+            said = " or ".join(f"{f:g}x over {lw} and {sw}" for f, lw, sw in pairs)
             rules.append(
                 {
                     "alert": alert,

@@ -41,16 +41,6 @@ KIND = promql.BurnRateSlo(
 )
 
 
-def burn(window: str, period: str) -> str:
-    """The burn rate over ``window`` of the models with this period: error ratio / budget."""
-    return KIND.burn(window, period)
-
-
-def windows(slo: SloTarget) -> list[str]:
-    """Every window recorded for an objective: the workbook's, scaled, and the period."""
-    return KIND.windows(slo)
-
-
 def alert_expr(severity: str, period: str, example: SloTarget) -> str:
     return KIND.alert_expr(severity, period, example)
 
