@@ -104,7 +104,7 @@ def _llm_values(cfg: RulesConfig) -> dict[str, str]:
         )
         or "none",
         "kv_threshold": f"{KV_CACHE_THRESHOLD:.0%}",
-        "kv_expr": llm_saturation.kv_expr(),
+        "kv_expr": llm_saturation.kv_expr(cfg),
         "preemptions_expr": llm_saturation.preemptions_expr(),
         "queued_expr": llm_saturation.queued_expr(cfg),
     }

@@ -212,7 +212,7 @@ def test_each_tiered_alert_exports_its_timing() -> None:
     data["prometheus"]["scrape_interval"] = "20s"
     spec = parse_spec(data)
     got = timings(RulesConfig.from_spec(spec))
-    assert set(got) == set(c.TIERED_ALERTS)
+    assert set(got) == {*c.TIERED_ALERTS, c.ALERT_LLM_KV_CACHE_SATURATION}
     rules = {r["alert"]: r for _n, g in generate.rule_groups(spec) for r in g["rules"] if "alert" in r}
 
     errors = got[c.ALERT_HIGH_ERROR_RATE]
@@ -224,6 +224,9 @@ def test_each_tiered_alert_exports_its_timing() -> None:
     gpu = got[c.ALERT_GPU_MEMORY_PRESSURE]
     assert rules[c.ALERT_GPU_MEMORY_PRESSURE]["for"] == fmt_duration(gpu.condition_s) == "3m"
     assert gpu.window_s == 20
+    kv = got[c.ALERT_LLM_KV_CACHE_SATURATION]  # the GPU tier's for; dips of three scrapes ridden out
+    assert rules[c.ALERT_LLM_KV_CACHE_SATURATION]["for"] == fmt_duration(kv.condition_s) == "3m"
+    assert kv.window_s == 60 and "[1m])" in rules[c.ALERT_LLM_KV_CACHE_SATURATION]["expr"]
 
 
 def test_rules_and_dashboards_read_the_alert_settings_only_through_rules_config() -> None:

@@ -1,6 +1,6 @@
 """One module per alert group; each exposes ``group(cfg) -> dict`` (a Prometheus rule group).
 
-``GROUPS`` is the order the generator writes them in. The tiered alerts' groups also export
+``GROUPS`` is the order the generator writes them in. The tiered alerts' groups and the KV cache's export
 ``timing(cfg)``: how long their rule takes (``timings`` collects them by alert name).
 """
 
@@ -22,9 +22,9 @@ from alert_rules.groups import (
 
 GROUPS = (errors, latency, gpu, slo, health, canary, llm, llm_slo, llm_saturation, overload)
 
-TIMED = (errors, latency, gpu)
+TIMED = (errors, latency, gpu, llm_saturation)
 
 
 def timings(cfg: RulesConfig) -> dict[str, AlertTiming]:
-    """Each tiered alert's timing, by alert name."""
+    """The timing of each alert whose group exports one (the tiers and the KV cache), by name."""
     return {t.alertname: t for t in (module.timing(cfg) for module in TIMED)}

@@ -33,7 +33,6 @@ def route_for(spec: FleetSpec, severity: str):
 SAME_TIMING_AS = {
     contract.ALERT_HIGH_TTFT: contract.ALERT_HIGH_P99_LATENCY,
     contract.ALERT_HIGH_TPOT: contract.ALERT_HIGH_P99_LATENCY,
-    contract.ALERT_LLM_KV_CACHE_SATURATION: contract.ALERT_GPU_MEMORY_PRESSURE,
 }
 
 
