@@ -101,7 +101,9 @@ def test_prometheus_loads_the_rules_of_the_spec_in_use(tmp_path: Path, processes
     # Tumbling error windows and the latency quantile's window, both the spec's (seconds here).
     assert f":{spec.alerts.error_rate.window}]" in alerts[contract.ALERT_HIGH_ERROR_RATE]["query"]
     recorded = {r["name"]: r["query"] for g in groups for r in g["rules"] if r["type"] == "recording"}
-    assert f"[{spec.alerts.latency.window}]" in recorded[contract.REC_LATENCY_QUANTILE]
+    # The quantile reads the buckets' rate, recorded once over the latency window.
+    assert f"[{spec.alerts.latency.window}]" in recorded[contract.REC_LATENCY_BUCKET_RATE]
+    assert contract.REC_LATENCY_BUCKET_RATE in recorded[contract.REC_LATENCY_QUANTILE]
     for name, severity in contract.TIERED_ALERTS.items():
         assert alerts[name]["labels"]["severity"] == severity
         assert alerts[name]["annotations"]["runbook_url"]
