@@ -4,13 +4,12 @@ the state dir, so the files that ran are there to read afterwards."""
 
 from __future__ import annotations
 
-import os
-import secrets
 from collections.abc import Mapping
 from pathlib import Path
 
 import yaml
 
+from alert_rules.pager import new_token_file
 from inferwatch import contract
 from inferwatch.spec import FleetSpec, Receiver, Routing, Webhook, duration_seconds
 
@@ -135,12 +134,7 @@ def pager_token(path: Path) -> str:
         token = path.read_text().strip()
         if token:
             return token
-    path.parent.mkdir(parents=True, exist_ok=True)
-    token = secrets.token_urlsafe(32)
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    with os.fdopen(fd, "w") as fh:
-        fh.write(token + "\n")
-    return token
+    return new_token_file(path)
 
 
 def write_yaml(path: Path, data: object) -> Path:

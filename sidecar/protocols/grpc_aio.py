@@ -231,7 +231,7 @@ class GrpcProxy:
         span_name, attributes = span_attributes(path)
 
         async def limited(request: Any, context: grpc.aio.ServicerContext) -> Any:
-            model = version = MODEL_NONE  # a stream's messages are not read yet
+            model, version = MODEL_NONE, ""  # no model named (yet), no version
             if name_field and admission.per_model and isinstance(request, bytes):
                 try:
                     model, version, _ = read_strings(request, name_field, version_field)
@@ -266,7 +266,7 @@ class GrpcProxy:
             # Checked per stream: a SIGHUP may turn per-model limits on or off.
             if not admission.per_model and not admission.limit:
                 return await handler(requests, context)
-            model = version = MODEL_NONE
+            model, version = MODEL_NONE, ""
             first: bytes | None = None
             if admission.per_model:
                 messages = requests.__aiter__()
@@ -309,7 +309,7 @@ class GrpcProxy:
         span_name, attributes = span_attributes(path)
 
         async def handler(request: bytes, context: grpc.aio.ServicerContext) -> bytes:
-            model = version = MODEL_NONE
+            model, version = MODEL_NONE, ""
             if name_field:
                 try:
                     model, version, _ = read_strings(request, name_field, version_field)

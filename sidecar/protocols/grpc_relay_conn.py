@@ -824,7 +824,7 @@ class _Conn:
             st.scan_in.feed(data, heads)
         if heads:
             length, head, compressed = heads[0]
-            model = version = ""
+            model, version = MODEL_NONE, ""
             if not compressed and st.fields[0]:
                 model, version, _ = read_strings(head, *st.fields, partial=True)
             st.req_bytes = length + 5
