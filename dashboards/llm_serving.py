@@ -15,6 +15,7 @@ from grafanalib import core as g
 
 from alert_rules.config import KV_CACHE_THRESHOLD, RulesConfig
 from alert_rules.groups import llm as llm_alert
+from alert_rules.groups import llm_saturation
 from dashboards import panels as p
 from dashboards import urls
 from inferwatch import contract as c
@@ -161,10 +162,11 @@ def dashboard(spec: FleetSpec) -> g.Dashboard:
             ),
             p.timeseries(
                 "KV-cache usage",
-                "Share of each vLLM engine's KV-cache blocks in use. Above the red line "
-                f"({KV_CACHE_THRESHOLD:.0%}) for {cfg.gpu_for}, {c.ALERT_LLM_KV_CACHE_SATURATION} (info) "
-                "fires; a full cache makes requests wait and running ones get preempted.",
-                p.targets((p.sel(c.REC_VLLM_KV_CACHE_USAGE, REC_VLLM_SEL), "{{model}} {{instance}}")),
+                "Share of each vLLM engine's KV-cache blocks in use (the highest of the last three "
+                f"scrapes, as the alert reads it). Above the red line ({KV_CACHE_THRESHOLD:.0%}) for "
+                f"{cfg.gpu_for}, {c.ALERT_LLM_KV_CACHE_SATURATION} (info) fires; a full cache makes "
+                "requests wait and running ones get preempted.",
+                p.targets((llm_saturation.kv_usage(cfg, REC_VLLM_SEL), "{{model}} {{instance}}")),
                 "percentunit",
                 "KV cache used",
                 thresholds=p.steps(p.OK, (KV_CACHE_THRESHOLD, p.BAD)),

@@ -38,9 +38,15 @@ def timing(cfg: RulesConfig) -> AlertTiming:
     return AlertTiming(c.ALERT_LLM_KV_CACHE_SATURATION, cfg.gpu_for_s, KV_DIP_SCRAPES * cfg.scrape_interval_s)
 
 
-def kv_expr(cfg: RulesConfig) -> str:
+def kv_usage(cfg: RulesConfig, selector: str = "") -> str:
+    """The KV-cache usage the alert judges (and the dashboard draws): its max over the dip window."""
     window = fmt_duration(KV_DIP_SCRAPES * cfg.scrape_interval_s)
-    return f"max_over_time({c.REC_VLLM_KV_CACHE_USAGE}[{window}]) > {KV_CACHE_THRESHOLD:g}"
+    series = f"{c.REC_VLLM_KV_CACHE_USAGE}{{{selector}}}" if selector else c.REC_VLLM_KV_CACHE_USAGE
+    return f"max_over_time({series}[{window}])"
+
+
+def kv_expr(cfg: RulesConfig) -> str:
+    return f"{kv_usage(cfg)} > {KV_CACHE_THRESHOLD:g}"
 
 
 def preemptions_expr() -> str:
