@@ -109,7 +109,7 @@ class GrpcProxy:
     ) -> None:
         # Every setting comes from the sidecar's configuration, the one home of their defaults.
         self.upstream = upstream_target(config.upstream_grpc)
-        self._tel = telemetry
+        self._telemetry = telemetry
         self._timeout = config.request_timeout
         # Calls past its limit get the one fixed overload answer (RESOURCE_EXHAUSTED); shared
         # with the other proxies (sidecar.main), so the limit is the process's total.
@@ -222,7 +222,7 @@ class GrpcProxy:
 
     def _limited(self, handler: Callable, path: str, name_field: int = 0, version_field: int = 0) -> Callable:
         """``handler`` behind admission: a refused call gets the fixed overload answer, counted."""
-        admission, tel = self.admission, self._tel
+        admission, telemetry = self.admission, self._telemetry
         # A unary call names its model in its one message: per-model limits (sidecar.core.admission)
         # apply to it, and may be turned on by a SIGHUP, so such calls always pass here.
         if not admission.limit and not name_field:
@@ -244,8 +244,8 @@ class GrpcProxy:
                         model, version, _ = read_strings(request, name_field, version_field)
                     except WireError:
                         pass
-                obs = tel.begin(model, version, PROTOCOL_GRPC, None, span_name, attributes)
-                tel.end(obs, name, outcome, len(request) if isinstance(request, bytes) else 0, 0)
+                tel = telemetry.begin(model, version, PROTOCOL_GRPC, None, span_name, attributes)
+                telemetry.end(tel, name, outcome, len(request) if isinstance(request, bytes) else 0, 0)
                 await context.abort(_EXHAUSTED, refusal.message)
             try:
                 return await handler(request, context)
@@ -258,7 +258,7 @@ class GrpcProxy:
         """``ModelStreamInfer`` behind admission. A stream counts once; with per-model limits it
         is admitted on its first message, under the model that message names (a refusal is
         counted as that message, RESOURCE_EXHAUSTED), else on arrival under the global limit."""
-        admission, tel = self.admission, self._tel
+        admission, telemetry = self.admission, self._telemetry
         name, outcome = self._codes[_EXHAUSTED]
         span_name, attributes = span_attributes(path)
 
@@ -278,8 +278,8 @@ class GrpcProxy:
                 requests = _prepended(first, messages)
             refusal = await admission.admit(model) if model else admission.acquire(MODEL_NONE)
             if refusal is not None:
-                obs = tel.begin(model, version, PROTOCOL_GRPC, None, span_name, attributes)
-                tel.end(obs, name, outcome, len(first or b""), 0)
+                tel = telemetry.begin(model, version, PROTOCOL_GRPC, None, span_name, attributes)
+                telemetry.end(tel, name, outcome, len(first or b""), 0)
                 await context.abort(_EXHAUSTED, refusal.message)
             try:
                 return await handler(requests, context)
@@ -304,7 +304,7 @@ class GrpcProxy:
     def _unary(
         self, upstream: grpc.aio.UnaryUnaryMultiCallable, path: str, name_field: int, version_field: int
     ):
-        tel, codes = self._tel, self._codes
+        telemetry, codes = self._telemetry, self._codes
         ok_name, ok_outcome = codes[_OK]
         span_name, attributes = span_attributes(path)
 
@@ -316,31 +316,33 @@ class GrpcProxy:
                 except WireError:
                     pass  # forwarded as is: the upstream answers with its own parse error
             metadata = forwarded_metadata(context.invocation_metadata())
-            obs = tel.begin(model, version, PROTOCOL_GRPC, traceparent_of(metadata), span_name, attributes)
+            tel = telemetry.begin(
+                model, version, PROTOCOL_GRPC, traceparent_of(metadata), span_name, attributes
+            )
             call = upstream(
                 request,
                 timeout=self._timeout_for(context),
-                metadata=with_traceparent(metadata, obs.traceparent),
+                metadata=with_traceparent(metadata, tel.traceparent),
             )
             try:
                 response = await call
             except grpc.aio.AioRpcError as exc:
                 code = exc.code()
                 name, outcome = codes[code]
-                tel.end(obs, name, outcome, len(request), 0)
+                telemetry.end(tel, name, outcome, len(request), 0)
                 await context.abort(code, exc.details() or "", exc.trailing_metadata() or ())
             except asyncio.CancelledError:
                 call.cancel()
                 name, outcome = codes[self._client_gone_code(context)]
-                tel.end(obs, name, outcome, len(request), 0)
+                telemetry.end(tel, name, outcome, len(request), 0)
                 raise
             except Exception:
                 # The one error boundary: a sidecar fault is the server's, never a hang.
                 name, outcome = codes[_INTERNAL]
-                tel.end(obs, name, outcome, len(request), 0)
+                telemetry.end(tel, name, outcome, len(request), 0)
                 log.exception("grpc proxy failure", extra={"fields": {"method": path}})
                 await context.abort(_INTERNAL, "inferwatch sidecar: proxy failure")
-            tel.end(obs, ok_name, ok_outcome, len(request), len(response))
+            telemetry.end(tel, ok_name, ok_outcome, len(request), len(response))
             await _forward_initial_metadata(call, context)
             trailing = await call.trailing_metadata()
             if trailing:
@@ -350,7 +352,7 @@ class GrpcProxy:
         return handler
 
     def _stream_infer(self, upstream: grpc.aio.StreamStreamMultiCallable, path: str):
-        tel, codes = self._tel, self._codes
+        telemetry, codes = self._telemetry, self._codes
         ok_name, ok_outcome = codes[_OK]
         span_name, attributes = span_attributes(path)
 
@@ -371,7 +373,7 @@ class GrpcProxy:
                         model = version = rid = ""
                     streams.add(
                         rid,
-                        tel.begin(model, version, PROTOCOL_GRPC, traceparent, span_name, attributes),
+                        telemetry.begin(model, version, PROTOCOL_GRPC, traceparent, span_name, attributes),
                         len(msg),
                     )
                     if call.done():
@@ -381,10 +383,10 @@ class GrpcProxy:
 
             def close_all(code: grpc.StatusCode) -> None:
                 name, outcome = codes[code]
-                for obs, size in streams.drain():
+                for tel, size in streams.drain():
                     if tokens is not None:
-                        tokens.closed(obs, code is not _OK)
-                    tel.end(obs, name, outcome, size, 0)
+                        tokens.closed(tel, code is not _OK)
+                    telemetry.end(tel, name, outcome, size, 0)
 
             pumper = asyncio.create_task(pump())
             first = True
@@ -401,14 +403,14 @@ class GrpcProxy:
                         tokens.response(streams, resp, rid, error)
                     entry = streams.take(rid, bool(error), final)
                     if entry is not None:
-                        obs, size = entry
+                        tel, size = entry
                         if tokens is not None:
-                            tokens.closed(obs)
+                            tokens.closed(tel)
                         if error:
                             name = stream_error_code(error)
-                            tel.end(obs, name, tel.outcome_for_grpc(name), size, len(resp))
+                            telemetry.end(tel, name, telemetry.outcome_for_grpc(name), size, len(resp))
                         else:
-                            tel.end(obs, ok_name, ok_outcome, size, len(resp))
+                            telemetry.end(tel, ok_name, ok_outcome, size, len(resp))
                     await context.write(resp)
                 code = await call.code()
             except grpc.aio.AioRpcError as exc:
@@ -432,14 +434,16 @@ class GrpcProxy:
         return handler
 
     def _raw_stream(self, upstream: grpc.aio.StreamStreamMultiCallable, path: str):
-        tel, codes = self._tel, self._codes
+        telemetry, codes = self._telemetry, self._codes
         span_name, attributes = span_attributes(path)
 
         async def handler(requests: AsyncIterator[bytes], context: grpc.aio.ServicerContext) -> None:
             metadata = forwarded_metadata(context.invocation_metadata())
-            obs = tel.begin(MODEL_NONE, "", PROTOCOL_GRPC, traceparent_of(metadata), span_name, attributes)
+            tel = telemetry.begin(
+                MODEL_NONE, "", PROTOCOL_GRPC, traceparent_of(metadata), span_name, attributes
+            )
             call = upstream(
-                timeout=self._timeout_for(context), metadata=with_traceparent(metadata, obs.traceparent)
+                timeout=self._timeout_for(context), metadata=with_traceparent(metadata, tel.traceparent)
             )
             sent = received = 0
 
@@ -468,11 +472,11 @@ class GrpcProxy:
                 call.cancel()
                 pumper.cancel()
                 name, outcome = codes[self._client_gone_code(context)]
-                tel.end(obs, name, outcome, sent, received)
+                telemetry.end(tel, name, outcome, sent, received)
                 raise
             _let_finish(pumper)
             name, outcome = codes[code]
-            tel.end(obs, name, outcome, sent, received)
+            telemetry.end(tel, name, outcome, sent, received)
             if code is not _OK:
                 context.set_code(code)
                 context.set_details(await call.details() or "")

@@ -39,7 +39,6 @@ class Call:
         "headers_out",
         "hole",
         "kind",
-        "obs",
         "path",
         "pending",
         "req_bytes",
@@ -47,6 +46,7 @@ class Call:
         "scan_in",
         "scan_out",
         "span",
+        "tel",
         "tokens",
         "traceparent",
     )
@@ -62,7 +62,7 @@ class Call:
             if len(_SPANS) < 256:  # bounded: clients choose paths
                 _SPANS[path] = span
         self.span = span
-        self.obs: Any = None
+        self.tel: Any = None
         self.req_bytes = 0
         self.resp_bytes = 0
         self.scan_in: MessageScanner | None = MessageScanner() if kind != OTHER else None
@@ -102,8 +102,8 @@ class RefusedCalls:
     def __bool__(self) -> bool:
         return bool(self.by_path)
 
-    def park(self, path: str, obs: Any, close: Callable[[], None]) -> None:
-        entry: list = [obs, close, None]
+    def park(self, path: str, tel: Any, close: Callable[[], None]) -> None:
+        entry: list = [tel, close, None]
         entry[2] = asyncio.get_running_loop().call_later(self.wait_s, self._expired, path, entry)
         self.by_path.setdefault(path, collections.deque()).append(entry)
 
@@ -112,11 +112,11 @@ class RefusedCalls:
         queue = self.by_path.get(path)
         if not queue:
             return None
-        obs, _close, timer = queue.popleft()
+        tel, _close, timer = queue.popleft()
         if not queue:
             del self.by_path[path]
         timer.cancel()
-        return obs
+        return tel
 
     def expire_all(self) -> None:
         for queue in list(self.by_path.values()):

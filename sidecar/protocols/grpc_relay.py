@@ -44,7 +44,7 @@ class GrpcRelay:
     ) -> None:
         # Every setting comes from the sidecar's configuration, the one home of their defaults.
         self.upstream = config.upstream_grpc
-        self.tel = telemetry
+        self.telemetry = telemetry
         self.timeout = config.request_timeout
         self.max_message = config.max_body_bytes
         # Shared with the other proxies (sidecar.main): the limit is the process's total.
@@ -63,7 +63,7 @@ class GrpcRelay:
         self.port = 0
 
     def outcome(self, code: str) -> str:
-        return self._outcomes.get(code) or self.tel.outcome_for_grpc(code)
+        return self._outcomes.get(code) or self.telemetry.outcome_for_grpc(code)
 
     @staticmethod
     def nodelay(sock: Any) -> None:

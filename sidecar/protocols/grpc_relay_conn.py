@@ -214,8 +214,8 @@ class _Conn:
 
     def __init__(self, relay: Any, client: asyncio.Transport) -> None:
         self.relay = relay
-        self.tel = relay.tel
-        self.tracing = relay.tel.tracer is not None
+        self.telemetry = relay.telemetry
+        self.tracing = relay.telemetry.tracer is not None
         self.client = client
         self.up: asyncio.Transport | None = None
         self.local = False  # the upstream is unreachable: the relay answers every call itself
@@ -295,7 +295,7 @@ class _Conn:
         for sid, st in list(self.streams.items()):
             self._release(st)
             st.dropped = True
-            if st.obs is not None or (st.pending and st.kind == STREAM):
+            if st.tel is not None or (st.pending and st.kind == STREAM):
                 self._finish(st, UNAVAILABLE)
                 self._write_answer(sid, UNAVAILABLE, message)
                 del self.streams[sid]
@@ -412,7 +412,7 @@ class _Conn:
             if retried is not None:
                 return retried  # the retry of a refused call closes the refused call's observation
         name, attrs = st.span
-        return self.tel.begin(model, version, PROTOCOL_GRPC, st.traceparent, name, attrs)
+        return self.telemetry.begin(model, version, PROTOCOL_GRPC, st.traceparent, name, attrs)
 
     def _finish(self, st: Call, code: str) -> None:
         """Close the call's observations with ``code``."""
@@ -420,14 +420,14 @@ class _Conn:
         if st.kind == STREAM:
             assert st.pending is not None
             tokens = st.tokens
-            for obs, size in st.pending.drain():
+            for tel, size in st.pending.drain():
                 if tokens is not None:
-                    tokens.closed(obs, code != OK)
-                self.tel.end(obs, code, outcome, size, 0)
+                    tokens.closed(tel, code != OK)
+                self.telemetry.end(tel, code, outcome, size, 0)
             return
-        if st.obs is None:
-            st.obs = self._begin(st, MODEL_NONE, "")
-        self.tel.end(st.obs, code, outcome, st.req_bytes, st.resp_bytes)
+        if st.tel is None:
+            st.tel = self._begin(st, MODEL_NONE, "")
+        self.telemetry.end(st.tel, code, outcome, st.req_bytes, st.resp_bytes)
 
     # ---------------------------------------------------------------- client -> upstream
     def from_client(self, data: bytes) -> None:
@@ -492,7 +492,7 @@ class _Conn:
                     self._finish(st, self._gone_code(st))
                 elif st is not None and st.answer is not None:  # cancelled before our answer
                     name = self._gone_code(st)
-                    self.tel.end(self._begin(st, MODEL_NONE, ""), name, self.relay.outcome(name), 0, 0)
+                    self.telemetry.end(self._begin(st, MODEL_NONE, ""), name, self.relay.outcome(name), 0, 0)
                 if self.local or (st is not None and st.dropped):
                     replace = b""
             elif self.local:
@@ -618,7 +618,7 @@ class _Conn:
         if effective == timeout and not hold:
             # The client's own deadline and no span context to pass: the block goes as it came.
             if st.kind == OTHER:
-                st.obs = self._begin(st, MODEL_NONE, "")
+                st.tel = self._begin(st, MODEL_NONE, "")
             return header_frames(sid, end_stream, block) if rewritten else original
         cut = []
         if effective != timeout and timeout_span is not None:
@@ -629,13 +629,13 @@ class _Conn:
         if effective != timeout:
             block += literal(_TIMEOUT, grpc_timeout_value(effective))
         if st.kind == OTHER:
-            st.obs = self._begin(st, MODEL_NONE, "")
+            st.tel = self._begin(st, MODEL_NONE, "")
         if not hold:
             return header_frames(sid, end_stream, block)
         if st.kind == OTHER or end_stream:
             # No message to wait for: the span starts now.
-            if st.obs is None:
-                st.obs = self._begin(st, MODEL_NONE, "")
+            if st.tel is None:
+                st.tel = self._begin(st, MODEL_NONE, "")
             return header_frames(sid, end_stream, self._traced(st, block))
         # A unary call: its block waits for the first bytes of its message (normally in the
         # same read), so the span can be started with the model and its context sent up.
@@ -649,14 +649,14 @@ class _Conn:
         """``block`` (without the client's traceparent) with the sidecar span's context."""
         if not self.tracing:  # held for admission only: the block goes as it came
             return block
-        tp = st.obs.traceparent if st.obs is not None else None
+        tp = st.tel.traceparent if st.tel is not None else None
         tp = tp or st.traceparent
         return block + literal(_TRACEPARENT, tp.encode("latin-1")) if tp else block
 
     def _fill_hole(self, sid: int, st: Call, out: list[bytes], model: str, version: str) -> None:
         """Start the call's observation and put its header block in its place in ``out``."""
-        if st.obs is None:
-            st.obs = self._begin(st, model, version)
+        if st.tel is None:
+            st.tel = self._begin(st, model, version)
         out[st.hole] = header_frames(sid, 0, self._traced(st, st.block))
         st.hole = -1
         st.block = b""
@@ -722,8 +722,8 @@ class _Conn:
                 self._finish_over_limit(sid, st, model, version, out)
                 return b""
             if st.kind == UNARY:
-                if st.obs is None:
-                    st.obs = self._begin(st, model, version)
+                if st.tel is None:
+                    st.tel = self._begin(st, model, version)
                 st.scan_in = None  # one request message: nothing more to read
                 break
             assert st.pending is not None
@@ -784,8 +784,8 @@ class _Conn:
         if st.kind == STREAM:
             assert st.pending is not None
             st.pending.add("", self._begin(st, model, version), 0)
-        elif st.obs is None:
-            st.obs = self._begin(st, model, version)
+        elif st.tel is None:
+            st.tel = self._begin(st, model, version)
         message = f"inferwatch sidecar: message larger than {self.relay.max_message} bytes"
         self._write_client(
             self._end_here(sid, st, RESOURCE_EXHAUSTED, message)
@@ -837,7 +837,7 @@ class _Conn:
         assert st.answer is not None
         code, message = st.answer
         st.answer = None
-        self.tel.end(self._begin(st, model, version), code, self.relay.outcome(code), st.req_bytes, 0)
+        self.telemetry.end(self._begin(st, model, version), code, self.relay.outcome(code), st.req_bytes, 0)
         self.streams.pop(sid, None)
         if not client_done:
             self.refused.add(sid)
@@ -927,7 +927,7 @@ class _Conn:
                         self._release(st)
                         if err == REFUSED_STREAM and st.kind != STREAM:
                             self.relay.retries.park(
-                                st.path, st.obs, lambda st=st: self._finish(st, UNAVAILABLE)
+                                st.path, st.tel, lambda st=st: self._finish(st, UNAVAILABLE)
                             )
                         else:
                             self._finish(st, _RESET_CODES.get(err, INTERNAL))
@@ -985,11 +985,11 @@ class _Conn:
                     tokens.response(st.pending, head, rid, error)
             entry = st.pending.take(rid, bool(error), final)
             if entry is not None:
-                obs, size = entry
+                tel, size = entry
                 if tokens is not None:
-                    tokens.closed(obs)
+                    tokens.closed(tel)
                 code = stream_error_code(error) if error else OK
-                self.tel.end(obs, code, self.relay.outcome(code), size, length)
+                self.telemetry.end(tel, code, self.relay.outcome(code), size, length)
 
     def _upstream_headers(self, sid: int, ftype: int, flags: int, payload: bytes, raw: bytes) -> bytes | None:
         if ftype == HEADERS:

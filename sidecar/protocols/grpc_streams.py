@@ -29,12 +29,12 @@ class StreamMatcher:
     def __len__(self) -> int:
         return self.open
 
-    def add(self, rid: str, obs: Any, size: int) -> None:
+    def add(self, rid: str, tel: Any, size: int) -> None:
         queue = self.pending.get(rid)
         if queue is None:
             queue = self.pending[rid] = collections.deque()
         self.seq += 1
-        queue.append((self.seq, obs, size))
+        queue.append((self.seq, tel, size))
         self.open += 1
 
     def take(self, rid: str, error: bool, final: bool | None) -> tuple[Any, int] | None:
@@ -48,11 +48,11 @@ class StreamMatcher:
             # An error that names no open request: the oldest open request failed.
             rid = min(self.pending, key=lambda k: self.pending[k][0][0])
             queue = self.pending[rid]
-        _, obs, size = queue.popleft()
+        _, tel, size = queue.popleft()
         if not queue:
             del self.pending[rid]
         self.open -= 1
-        return obs, size
+        return tel, size
 
     def peek(self, rid: str) -> Any:
         """The observation a response that closes nothing belongs to (a decoupled model's token):
@@ -65,5 +65,5 @@ class StreamMatcher:
         entries = sorted(e for q in self.pending.values() for e in q)
         self.pending.clear()
         self.open = 0
-        for _, obs, size in entries:
-            yield obs, size
+        for _, tel, size in entries:
+            yield tel, size

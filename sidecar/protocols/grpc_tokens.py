@@ -42,16 +42,16 @@ class StreamTokens:
         """A response (or its head): with text, a token of the oldest open request of ``rid``."""
         if error or not response_has_text(head):
             return
-        obs = matcher.peek(rid)
-        if obs is None:
+        tel = matcher.peek(rid)
+        if tel is None:
             return
-        stream = self.open.get(obs)
+        stream = self.open.get(tel)
         if stream is None:
-            stream = self.open[obs] = Stream(self.streams.token_stream(obs))
+            stream = self.open[tel] = Stream(self.streams.token_stream(tel))
         stream.content(time.perf_counter(), 1)
 
-    def closed(self, obs: Any, truncated: bool = False) -> None:
-        """The request ``obs`` is over: record its tokens (before its observation ends)."""
-        stream = self.open.pop(obs, None)
+    def closed(self, tel: Any, truncated: bool = False) -> None:
+        """The request ``tel`` is over: record its tokens (before its observation ends)."""
+        stream = self.open.pop(tel, None)
         if stream is not None:
             stream.close(truncated)
