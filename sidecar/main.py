@@ -52,6 +52,9 @@ DOWN_PROBE_INTERVAL = 1.0
 UP_PROBE_INTERVAL = 5.0
 # Until the upstream is ready and its index read (/readyz 503), ask it this often.
 NOT_READY_PROBE_INTERVAL = 0.25
+# Seconds an index read (the repository index, or /v1/models) may take beyond --connect-timeout:
+# the answer lists every model, so a large repository's body takes longer than a probe's.
+INDEX_READ_EXTRA_S = 5.0
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -281,7 +284,7 @@ async def _read_index(config: cfg.SidecarConfig, telemetry: Any, streams: Any = 
     OpenAI server's ``/v1/models`` through the spec's served names); (reachable, error text)."""
     host, port = config.upstream_http
     try:
-        status, data = await fetch_repository_index(host, port, config.connect_timeout + 5.0)
+        status, data = await fetch_repository_index(host, port, config.connect_timeout + INDEX_READ_EXTRA_S)
     except (OSError, TimeoutError) as exc:
         return False, str(exc) or type(exc).__name__
     if status == 200 and isinstance(data, list):
@@ -297,7 +300,7 @@ async def _read_index(config: cfg.SidecarConfig, telemetry: Any, streams: Any = 
         names = None
         if streams is not None:  # an OpenAI-compatible server (vLLM, SGLang, TGI...)?
             try:
-                names = await fetch_openai_models(host, port, config.connect_timeout + 5.0)
+                names = await fetch_openai_models(host, port, config.connect_timeout + INDEX_READ_EXTRA_S)
             except (OSError, TimeoutError) as exc:
                 return False, str(exc) or type(exc).__name__
         if names is not None:

@@ -51,6 +51,8 @@ from inferwatch import contract
 from inferwatch.spec import Limits
 
 _UNLIMITED = Limits()
+# Model names kept as aliases of their label's gate at most: a client may invent names.
+MAX_GATE_ALIASES = 4096
 
 
 @dataclass(frozen=True, slots=True)
@@ -239,7 +241,7 @@ class Admission:
             self._gates[label] = gate
         if label == model:
             return gate  # type: ignore[return-value]
-        if len(self._gates) < 4096:  # the names that map to a label: a bounded cache
+        if len(self._gates) < MAX_GATE_ALIASES:
             self._gates[model] = gate  # type: ignore[assignment]
         return gate  # type: ignore[return-value]
 

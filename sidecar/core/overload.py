@@ -17,6 +17,8 @@ from sidecar.core.admission import Admission, Refusal
 
 log = logging.getLogger("inferwatch.sidecar")
 
+# Prebuilt 429 answers kept at most; each reload mints new refusals, so the cache is cleared past it.
+MAX_CACHED_ANSWERS = 4096
 _ANSWERS: dict[Refusal, bytes] = {}
 
 
@@ -29,7 +31,7 @@ def http_answer(refusal: Refusal) -> bytes:
             b"content-length: %d\r\nretry-after: %d\r\nconnection: close\r\nvia: 1.1 inferwatch\r\n\r\n%b"
             % (len(body), refusal.retry_after, body)
         )
-        if len(_ANSWERS) >= 4096:  # reloads mint new refusals: keep the cache bounded
+        if len(_ANSWERS) >= MAX_CACHED_ANSWERS:
             _ANSWERS.clear()
         _ANSWERS[refusal] = answer
     return answer
