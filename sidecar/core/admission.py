@@ -25,10 +25,14 @@ A request is queued only when its caller passes ``wake``: ``acquire`` then retur
 ``wake(refusal)`` (timed out); a caller that gives up first calls ``Waiting.cancel()``. A caller
 without ``wake`` finds a full model as ``queue_full``. Each shed request is counted in
 the shed counter (``contract.REQUESTS_SHED``, by model and reason); the protocol counts it in the
-requests counter as it answers. A caller that cannot know the model yet (the gRPC
-relay admits a call on its header block, before the message that names it) passes
-``MODEL_NONE``: only the global limit applies to it; the HTTP proxy does the same while it holds
-an LLM request's body, then ``transfer``s the slot to the model the body names, with its cost.
+requests counter as it answers. A caller that does not know the model passes ``MODEL_NONE``:
+only the global limit applies to it. The gRPC side does so for a call whose method names no
+model, and, while no per-model limits are set, for every call, admitted on its header block
+before the message that names the model. With per-model limits both engines admit a unary call
+once its message names the model (the relay holds its header block until then) and a stream on
+its first message; the aio engine may queue it (``admit``), the relay does not (no ``wake``), so
+a full model sheds it at once. The HTTP proxy passes ``MODEL_NONE`` while it holds an LLM
+request's body, then ``transfer``s the slot to the model the body names, with its cost.
 Refusals are prebuilt per model, so refusing allocates nothing: under overload the answer stays
 cheap.
 
