@@ -17,25 +17,45 @@ MODEL_VERSION = f"{c.L_MODEL}, {c.L_VERSION}"
 _HAS_MODEL = f'{c.L_MODEL}!=""'
 
 
-def requests(outcome: str | None = None) -> str:
-    """The sidecar's request counter, restricted to requests that name a model."""
-    matchers = [_HAS_MODEL]
+def models_matcher(models: Iterable[str]) -> str:
+    """A matcher for exactly these models (spec names: letters, digits, ``_``, ``.``, ``-``;
+    only ``.`` means something in a regex). A rule that keeps only some models selects them
+    here, so Prometheus never reads the other models' series."""
+    names = "|".join(sorted(m.replace(".", "\\\\.") for m in models))
+    return f'{c.L_MODEL}=~"{names}"'
+
+
+def requests(outcome: str | None = None, models: Iterable[str] | None = None) -> str:
+    """The sidecar's request counter, restricted to requests that name a model (to ``models``
+    when given)."""
+    matchers = [_HAS_MODEL if models is None else models_matcher(models)]
     if outcome:
         matchers.append(f'{c.L_OUTCOME}="{outcome}"')
     return f"{c.REQUESTS_TOTAL.name}{{{', '.join(matchers)}}}"
 
 
-def request_rate(window: str, by: str) -> str:
-    return f"sum by ({by}) (rate({requests()}[{window}]))"
+def request_rate(window: str, by: str, models: Iterable[str] | None = None) -> str:
+    return f"sum by ({by}) (rate({requests(models=models)}[{window}]))"
 
 
-def server_error_ratio(window: str, by: str, min_rate: float = 0.0) -> str:
+def server_error_rate(window: str, by: str, models: Iterable[str] | None = None) -> str:
+    return f"sum by ({by}) (rate({requests(c.OUTCOME_SERVER_ERROR, models)}[{window}]))"
+
+
+def server_error_ratio(window: str, by: str, min_rate: float = 0.0, total: str | None = None) -> str:
     """Server errors / all requests over ``window``. A model without server-error series
     counts 0 errors; a model with no traffic (rate <= min_rate) has no result at all, so
-    the ratio is never NaN and a silent model never alerts."""
-    errors = f"sum by ({by}) (rate({requests(c.OUTCOME_SERVER_ERROR)}[{window}]))"
-    total = request_rate(window, by)
-    return f"(\n  {errors}\n  or\n  0 * {total}\n)\n/\n({total} > {min_rate:g})"
+    the ratio is never NaN and a silent model never alerts. ``total``: the same
+    ``request_rate(window, by)`` already recorded, read instead of every pod's counters twice."""
+    total = total or request_rate(window, by)
+    return f"(\n  {server_error_rate(window, by)}\n  or\n  0 * {total}\n)\n/\n({total} > {min_rate:g})"
+
+
+def server_error_ratio_where_errors(window: str, by: str, min_rate: float = 0.0) -> str:
+    """``server_error_ratio`` without its zeros (no result where there are no server-error
+    series), reading the request counters once instead of twice: for a comparison with a
+    threshold above 0, which drops the zeros anyway."""
+    return f"{server_error_rate(window, by)}\n/\n({request_rate(window, by)} > {min_rate:g})"
 
 
 def recorded(name: str, *matchers: str) -> str:

@@ -534,9 +534,17 @@ def test_each_threshold_panel_queries_its_alerts_expression() -> None:
         panel = _panel(BUILT[name], title)
         return {t["legendFormat"]: _without_dashboard_variables(t["expr"]) for t in panel["targets"]}
 
-    # Errors: the panels read the recorded ratio, whose expression is the one the alert judges.
-    ratio = record[c.REC_SERVER_ERROR_RATIO]
-    assert _flat(ratio) in _flat(alert[c.ALERT_HIGH_ERROR_RATE])
+    # Errors: the panels read the recorded ratio. It divides by the recorded request rate; with
+    # that record's own expression put back, and without its zeros (which never pass a
+    # threshold above 0), it is the ratio the alert judges window by window.
+    ratio = re.fullmatch(
+        r"\(\s*(?P<errors>.+?)\s+or\s+0 \* (?P<total>\S+)\s*\)\s*/\s*\((?P=total) > (?P<min>\S+)\)",
+        record[c.REC_SERVER_ERROR_RATIO],
+        re.S,
+    )
+    assert ratio, record[c.REC_SERVER_ERROR_RATIO]
+    judged = f"{ratio['errors']} / ({record[ratio['total']]} > {ratio['min']}) > {cfg.error_threshold:g}"
+    assert _flat(judged) in _flat(alert[c.ALERT_HIGH_ERROR_RATE])
     assert alert[c.ALERT_HIGH_ERROR_RATE].count(f"> {cfg.error_threshold:g}\n") == 1
     for key in [k for k, v in THRESHOLD_PANELS.items() if v == c.ALERT_HIGH_ERROR_RATE]:
         assert list(exprs(*key).values()) == [c.REC_SERVER_ERROR_RATIO], key

@@ -7,6 +7,11 @@ hold exactly N steps at every evaluation time (a range of exactly N*w holds N+1 
 the evaluation lands on a multiple of ``w``). Requiring N present steps keeps a model whose
 traffic started inside the range from alerting on fewer windows. So: errors confined to
 N-1 windows never alert; N bad windows alert at the first evaluation after the N-th closes.
+
+Cost: the subquery reads every pod's request counters once per step, so it is written once
+(``count_over_time`` of the windows above the threshold: N of them means all N steps present
+and bad), and the alert's value, the newest window's ratio, is the same last step again
+(a one-step subquery). The recorded ratio divides by the recorded request rate.
 """
 
 from __future__ import annotations
@@ -20,8 +25,10 @@ NAME = "inferwatch-errors"
 
 def ratio_expr(cfg: RulesConfig) -> str:
     """One window's server-error ratio per (model, version): what the alert judges window by
-    window, recorded as ``signal()``."""
-    return promql.server_error_ratio(cfg.error_window, promql.MODEL_VERSION, cfg.error_min_rate)
+    window, recorded as ``signal()`` (its total is the request rate recorded just before it)."""
+    return promql.server_error_ratio(
+        cfg.error_window, promql.MODEL_VERSION, cfg.error_min_rate, total=c.REC_REQUEST_RATE
+    )
 
 
 def signal(*matchers: str) -> str:
@@ -38,12 +45,17 @@ def timing(cfg: RulesConfig) -> AlertTiming:
 
 
 def alert_expr(cfg: RulesConfig) -> str:
-    ratio = ratio_expr(cfg)
-    rng = fmt_duration(cfg.error_windows * cfg.error_window_s - 0.001)
-    sub = f"(\n{promql.indent(ratio, 4)}\n  )[{rng}:{cfg.error_window}]"
+    w = cfg.error_window
+    # Without zeros: they never pass the threshold (> 0), and the count needs no step below it.
+    ratio = promql.server_error_ratio_where_errors(w, promql.MODEL_VERSION, cfg.error_min_rate)
+    bad = f"{ratio}\n> {cfg.error_threshold:g}"
+    n_steps = fmt_duration(cfg.error_windows * cfg.error_window_s - 0.001)
+    one_step = fmt_duration(cfg.error_window_s - 0.001)
+    # The value: the newest window's ratio, present whenever the count holds (its step passed).
     return (
-        f"min_over_time(\n  {sub}\n) > {cfg.error_threshold:g}\n"
-        f"and\ncount_over_time(\n  {sub}\n) >= {cfg.error_windows}"
+        f"last_over_time(\n  (\n{promql.indent(ratio, 4)}\n  )[{one_step}:{w}]\n)\n"
+        f"and\ncount_over_time(\n  (\n{promql.indent(bad, 4)}\n  )[{n_steps}:{w}]\n)"
+        f" >= {cfg.error_windows}"
     )
 
 
@@ -71,12 +83,12 @@ def group(cfg: RulesConfig) -> dict:
                         f"of {cfg.error_window}"
                     ),
                     "description": (
-                        f"At least {{{{ $value | humanizePercentage }}}} of the requests to model "
+                        f"More than {cfg.error_threshold:.0%} of the requests to model "
                         f"{{{{ $labels.{c.L_MODEL} }}}} version {{{{ $labels.{c.L_VERSION} }}}} "
-                        "failed on the "
-                        f"server side in each of the last {cfg.error_windows} {cfg.error_window} windows "
-                        f"(threshold {cfg.error_threshold:.0%}). If a new version was just rolled out, "
-                        "roll it back."
+                        "failed on the server side in each of the last "
+                        f"{cfg.error_windows} {cfg.error_window} windows, "
+                        "{{ $value | humanizePercentage }} in the latest. If a new version was just "
+                        "rolled out, roll it back."
                     ),
                 },
             },

@@ -10,6 +10,8 @@ divided by the budget (1 - objective); the alert's value is the long window's bu
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 from alert_rules import promql
 from alert_rules.config import SLO_BURN_PAIRS, RulesConfig, SloTarget
 from inferwatch import contract as c
@@ -18,13 +20,16 @@ NAME = "inferwatch-slo"
 _M = c.L_MODEL
 
 
-def _denominator(_targets: object, window: str, objective: str) -> str:
-    return f"{promql.request_rate(window, _M)}\nand on ({_M})\n{objective}"
+# Each rate selects the models of its objectives by name: the ``and on (model) objective``
+# keeps exactly those anyway, and the selector spares reading every other model's pods.
+def _denominator(targets: Sequence[SloTarget], window: str, objective: str) -> str:
+    models = [t.model for t in targets]
+    return f"{promql.request_rate(window, _M, models)}\nand on ({_M})\n{objective}"
 
 
-def _numerator(_targets: object, window: str, objective: str, zero: str) -> str:
+def _numerator(targets: Sequence[SloTarget], window: str, objective: str, zero: str) -> str:
     # A model with traffic and no server-error series has 0 errors/s, not none.
-    errors = f"sum by ({_M}) (rate({promql.requests(c.OUTCOME_SERVER_ERROR)}[{window}]))"
+    errors = promql.server_error_rate(window, _M, [t.model for t in targets])
     return f"(\n  {errors}\n  and on ({_M})\n  {objective}\n)\nor\n{zero}"
 
 
