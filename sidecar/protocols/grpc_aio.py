@@ -344,9 +344,7 @@ class GrpcProxy:
                 await context.abort(_INTERNAL, "inferwatch sidecar: proxy failure")
             telemetry.end(tel, ok_name, ok_outcome, len(request), len(response))
             await _forward_initial_metadata(call, context)
-            trailing = await call.trailing_metadata()
-            if trailing:
-                context.set_trailing_metadata(tuple(trailing))
+            await _relay_status(call, context, _OK)
             return response
 
         return handler
@@ -424,12 +422,7 @@ class GrpcProxy:
                 code = _INTERNAL
             _let_finish(pumper)
             close_all(code)
-            if code is not _OK:
-                context.set_code(code)
-                context.set_details(await call.details() or "")
-            trailing = await call.trailing_metadata()
-            if trailing:
-                context.set_trailing_metadata(tuple(trailing))
+            await _relay_status(call, context, code)
 
         return handler
 
@@ -477,12 +470,7 @@ class GrpcProxy:
             _let_finish(pumper)
             name, outcome = codes[code]
             telemetry.end(tel, name, outcome, sent, received)
-            if code is not _OK:
-                context.set_code(code)
-                context.set_details(await call.details() or "")
-            trailing = await call.trailing_metadata()
-            if trailing:
-                context.set_trailing_metadata(tuple(trailing))
+            await _relay_status(call, context, code)
 
         return handler
 
@@ -492,6 +480,16 @@ async def _forward_initial_metadata(call: Any, context: grpc.aio.ServicerContext
     initial = await call.initial_metadata()
     if initial:
         await context.send_initial_metadata(tuple(initial))
+
+
+async def _relay_status(call: Any, context: grpc.aio.ServicerContext, code: grpc.StatusCode) -> None:
+    """The upstream's ending, passed to the client: its code and details when not OK, its trailers."""
+    if code is not _OK:
+        context.set_code(code)
+        context.set_details(await call.details() or "")
+    trailing = await call.trailing_metadata()
+    if trailing:
+        context.set_trailing_metadata(tuple(trailing))
 
 
 async def _prepended(first: bytes | None, messages: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
