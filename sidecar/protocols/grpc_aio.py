@@ -44,10 +44,9 @@ from sidecar.core.health import UpstreamHealth
 from sidecar.core.telemetry import UPSTREAM_GRPC
 from sidecar.protocols.grpc_methods import (
     EXTRA_UNARY_PATHS,
-    SERVICE,
     STREAM_FIELDS,
-    STREAM_METHOD,
-    UNARY_METHODS,
+    STREAM_PATH,
+    UNARY_PATHS,
     span_attributes,
     stream_error_code,
     upstream_target,
@@ -196,8 +195,7 @@ class GrpcProxy:
 
     # ------------------------------------------------------------------ handlers
     def _build_handlers(self, channel: grpc.aio.Channel) -> None:
-        for name, (name_field, version_field) in UNARY_METHODS.items():
-            path = f"/{SERVICE}/{name}"
+        for path, (name_field, version_field) in UNARY_PATHS.items():
             upstream = channel.unary_unary(path)  # no serializers: bytes in, bytes out
             self._handlers[path] = grpc.unary_unary_rpc_method_handler(
                 self._limited(
@@ -208,7 +206,7 @@ class GrpcProxy:
             self._handlers[path] = grpc.unary_unary_rpc_method_handler(
                 self._limited(self._unary(channel.unary_unary(path), path, 0, 0), path)
             )
-        path = f"/{SERVICE}/{STREAM_METHOD}"
+        path = STREAM_PATH
         self._handlers[path] = grpc.stream_stream_rpc_method_handler(
             self._limited_stream(self._stream_infer(channel.stream_stream(path), path), path)
         )

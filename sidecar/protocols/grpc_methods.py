@@ -11,34 +11,43 @@ from sidecar.core.telemetry import GRPC_CODES
 
 SERVICE = "inference.GRPCInferenceService"
 
+# Server-level methods: their messages name no model.
+_SERVER_METHODS = (
+    "ServerLive",
+    "ServerReady",
+    "ServerMetadata",
+    "RepositoryIndex",
+    "LogSettings",
+    *(
+        f"{memory}SharedMemory{op}"
+        for memory in ("System", "Cuda")
+        for op in ("Status", "Register", "Unregister")
+    ),
+)
 # Method -> (model-name field, version field) of its request message, from the KServe v2 /
 # Triton grpc_service.proto; 0 means the message has no such field (server-level methods).
 UNARY_METHODS: dict[str, tuple[int, int]] = {
-    "ServerLive": (0, 0),
-    "ServerReady": (0, 0),
+    **dict.fromkeys(_SERVER_METHODS, (0, 0)),
     "ModelReady": (1, 2),
-    "ServerMetadata": (0, 0),
     "ModelMetadata": (1, 2),
     "ModelInfer": (1, 2),
     "ModelConfig": (1, 2),
     "ModelStatistics": (1, 2),
-    "RepositoryIndex": (0, 0),
     "RepositoryModelLoad": (2, 0),  # repository_name = 1, model_name = 2
     "RepositoryModelUnload": (2, 0),
-    "SystemSharedMemoryStatus": (0, 0),
-    "SystemSharedMemoryRegister": (0, 0),
-    "SystemSharedMemoryUnregister": (0, 0),
-    "CudaSharedMemoryStatus": (0, 0),
-    "CudaSharedMemoryRegister": (0, 0),
-    "CudaSharedMemoryUnregister": (0, 0),
     "TraceSetting": (2, 0),  # settings = 1, model_name = 2
-    "LogSettings": (0, 0),
 }
 STREAM_METHOD = "ModelStreamInfer"  # ModelInferRequest in, ModelStreamInferResponse out
 # ModelInferRequest: model_name = 1, model_version = 2, id = 3.
 STREAM_FIELDS = (1, 2, 3)
 # Unary methods of other services that Triton serves: proxied like the service's own.
 EXTRA_UNARY_PATHS = ("/grpc.health.v1.Health/Check",)
+# The routes both engines take from the table: the service's unary methods by their path, and
+# its stream's path (the relay classifies a call with them; grpc.aio registers a handler each).
+UNARY_PATHS: dict[str, tuple[int, int]] = {
+    f"/{SERVICE}/{name}": fields for name, fields in UNARY_METHODS.items()
+}
+STREAM_PATH = f"/{SERVICE}/{STREAM_METHOD}"
 
 # Status code number -> name (the metrics' ``code`` label), from the one table in telemetry.
 CODE_NAMES = {number: name for name, number in GRPC_CODES.items()}

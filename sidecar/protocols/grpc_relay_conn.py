@@ -63,10 +63,9 @@ from sidecar.protocols.grpc_methods import (
     OK,
     PERMISSION_DENIED,
     RESOURCE_EXHAUSTED,
-    SERVICE,
     STREAM_FIELDS,
-    STREAM_METHOD,
-    UNARY_METHODS,
+    STREAM_PATH,
+    UNARY_PATHS,
     UNAUTHENTICATED,
     UNAVAILABLE,
     UNIMPLEMENTED,
@@ -579,10 +578,10 @@ class _Conn:
             elif name == _TRACEPARENT:
                 traceparent, trace_span = value.decode("latin-1"), (start, stop)
         path = path or ""
-        method = path.rsplit("/", 1)[-1] if path.startswith(f"/{SERVICE}/") else ""
-        if method in UNARY_METHODS:
-            st = Call(path, UNARY, UNARY_METHODS[method], traceparent)
-        elif method == STREAM_METHOD:
+        fields = UNARY_PATHS.get(path)
+        if fields is not None:
+            st = Call(path, UNARY, fields, traceparent)
+        elif path == STREAM_PATH:
             st = Call(path, STREAM, STREAM_FIELDS[:2], traceparent)
             if self.relay.streams is not None:
                 st.tokens = StreamTokens(self.relay.streams)
