@@ -5,6 +5,7 @@ refuses a spec it cannot use."""
 from __future__ import annotations
 
 import filecmp
+import random
 import re
 import subprocess
 from pathlib import Path
@@ -199,6 +200,67 @@ def test_cli_rules_build_refuses_a_bad_spec_in_one_line(tmp_path: Path) -> None:
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and "alerts.error_rate.threshold" in lines[0] and str(bad) in lines[0]
     assert not (tmp_path / "out").exists()
+
+
+def _random_traffic(rng: random.Random, samples: int) -> list[dict]:
+    """Counters of a dozen model versions whose traffic changes every few samples: idle, 5%
+    errors exactly, some errors, none; some start late, some have no error series."""
+    series = []
+    for i in range(12):
+        start = rng.choice([0, 0, rng.randrange(samples // 2)])
+        ok = err = 0
+        oks, errs = ["_"] * start, ["_"] * start
+        for t in range(start, samples):
+            if (t - start) % 4 == 0:
+                d_ok, d_err = rng.choice([(0, 0), (19, 1), (rng.randrange(5, 30), rng.randrange(6)), (20, 0)])
+            ok, err = ok + d_ok, err + d_err
+            oks.append(str(ok))
+            errs.append(str(err))
+        name = f'{c.REQUESTS_TOTAL.name}{{model="m{i}",version="1",outcome="%s"}}'
+        series.append({"series": name % c.OUTCOME_SUCCESS, "values": " ".join(oks)})
+        if i % 4:
+            series.append({"series": name % c.OUTCOME_SERVER_ERROR, "values": " ".join(errs)})
+    return series
+
+
+@pytest.mark.parametrize("seed", [1, 2, 3])
+def test_the_error_alert_fires_exactly_when_the_plain_form_does(tmp_path: Path, seed: int) -> None:
+    """The generated alert (one subquery, a ratio without zeros, the recorded ratio over the
+    recorded rate) against the plain form it replaced: the ratio with its zeros, min above
+    the threshold and N steps present, two subqueries. Same alerts at every evaluation over
+    random traffic; the recorded ratio equal to the raw one."""
+    cfg = RulesConfig.from_spec(fleet_spec())
+    w, n, m = cfg.error_window, cfg.error_windows, f'{c.REQUESTS_TOTAL.name}{{model!=""'
+    errors = f'sum by (model, version) (rate({m}, outcome="{c.OUTCOME_SERVER_ERROR}"}}[{w}]))'
+    total = f"sum by (model, version) (rate({m}}}[{w}]))"
+    ratio = f"(({errors}) or 0 * {total}) / ({total} > {cfg.error_min_rate:g})"
+    sub = f"({ratio})[{fmt_duration(n * cfg.error_window_s - 0.001)}:{w}]"
+    plain = f"min_over_time({sub}) > {cfg.error_threshold:g} and count_over_time({sub}) >= {n}"
+    rules = yaml.safe_load((GENERATED / "errors.rules.yml").read_text())["groups"][0]["rules"]
+    alert = next(r["expr"] for r in rules if r.get("alert") == c.ALERT_HIGH_ERROR_RATE)
+    rec = c.REC_SERVER_ERROR_RATIO
+    samples = 100  # 15 s apart
+
+    def check(exprs: list[str]) -> subprocess.CompletedProcess[str]:
+        times = [f"{k * 15}s" for k in range(4, samples)]
+        tests = [{"expr": e, "eval_time": t, "exp_samples": []} for t in times for e in exprs]
+        doc = {
+            "rule_files": [str(GENERATED / "errors.rules.yml")],
+            "evaluation_interval": "15s",
+            "tests": [{"interval": "15s", "input_series": _random_traffic(random.Random(seed), samples),
+                       "promql_expr_test": tests}],
+        }  # fmt: skip
+        (tmp_path / "eq.test.yml").write_text(yaml.safe_dump(doc, width=10_000))
+        return run(["promtool", "test", "rules", str(tmp_path / "eq.test.yml")])
+
+    same = check([
+        f"({plain}) unless ({alert})",
+        f"({alert}) unless ({plain})",
+        f"({ratio}) != {rec} or ({ratio}) unless {rec} or {rec} unless ({ratio})",
+    ])  # fmt: skip
+    assert same.returncode == 0, same.stdout[-3000:] + same.stderr
+    # Not vacuous: the traffic makes the plain form fire at some evaluations.
+    assert check([f"count({plain})"]).returncode != 0
 
 
 def test_each_tiered_alert_exports_its_timing() -> None:
