@@ -155,6 +155,12 @@ class _Series:
         self.llm: Any = None  # sidecar.core.streams's children, made on the first generative request
 
 
+def family(kind: type, metric: contract.Metric, registry: CollectorRegistry, **options: Any) -> Any:
+    """A prometheus_client metric (``kind``: Counter, Gauge, Histogram) named, described and
+    labelled by its row in ``inferwatch.contract``; ``options`` (buckets, unit) go as they are."""
+    return kind(metric.name, metric.help, metric.labels, registry=registry, **options)
+
+
 class Request:
     """One request's state between ``begin`` and ``end``."""
 
@@ -183,39 +189,15 @@ class Telemetry:
         self.max_models = config.spec.sidecar.max_models
         self.buckets = histogram_buckets(config)
         c = contract
-        self.requests = Counter(
-            c.REQUESTS_TOTAL.name, c.REQUESTS_TOTAL.help, c.REQUESTS_TOTAL.labels, registry=registry
+        self.requests = family(Counter, c.REQUESTS_TOTAL, registry)
+        self.duration = family(
+            Histogram, c.REQUEST_DURATION, registry, buckets=self.buckets, unit=c.REQUEST_DURATION.unit
         )
-        self.duration = Histogram(
-            c.REQUEST_DURATION.name,
-            c.REQUEST_DURATION.help,
-            c.REQUEST_DURATION.labels,
-            registry=registry,
-            buckets=self.buckets,
-            unit=c.REQUEST_DURATION.unit,
-        )
-        self.in_flight = Gauge(
-            c.REQUESTS_IN_FLIGHT.name,
-            c.REQUESTS_IN_FLIGHT.help,
-            c.REQUESTS_IN_FLIGHT.labels,
-            registry=registry,
-        )
-        self.req_bytes = Counter(
-            c.REQUEST_BYTES.name, c.REQUEST_BYTES.help, c.REQUEST_BYTES.labels, registry=registry
-        )
-        self.resp_bytes = Counter(
-            c.RESPONSE_BYTES.name, c.RESPONSE_BYTES.help, c.RESPONSE_BYTES.labels, registry=registry
-        )
-        self.sla = Gauge(
-            c.MODEL_LATENCY_SLA.name,
-            c.MODEL_LATENCY_SLA.help,
-            c.MODEL_LATENCY_SLA.labels,
-            registry=registry,
-            unit=c.MODEL_LATENCY_SLA.unit,
-        )
-        self.upstream_up = Gauge(
-            c.UPSTREAM_UP.name, c.UPSTREAM_UP.help, c.UPSTREAM_UP.labels, registry=registry
-        )
+        self.in_flight = family(Gauge, c.REQUESTS_IN_FLIGHT, registry)
+        self.req_bytes = family(Counter, c.REQUEST_BYTES, registry)
+        self.resp_bytes = family(Counter, c.RESPONSE_BYTES, registry)
+        self.sla = family(Gauge, c.MODEL_LATENCY_SLA, registry, unit=c.MODEL_LATENCY_SLA.unit)
+        self.upstream_up = family(Gauge, c.UPSTREAM_UP, registry)
 
         self._configured = config.configured_slas()
         for name, sla in self._configured.items():
