@@ -58,6 +58,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 import httpx  # noqa: E402
+from nginx import binary as nginx_binary  # noqa: E402
+from nginx import write_conf as write_nginx_conf  # noqa: E402
 from procstat import cpu_seconds, memory_kib  # noqa: E402
 from prometheus_client.parser import text_string_to_metric_families  # noqa: E402
 
@@ -66,38 +68,6 @@ from inferwatch.net import free_port  # noqa: E402
 
 TARGETS = ("direct", "sidecar", "nginx")
 PROMPT_WORDS = "32"
-
-NGINX_CONF = """
-{user}
-daemon off;
-master_process on;
-worker_processes 1;
-pid {dir}/nginx.pid;
-error_log {dir}/error.log warn;
-events {{ worker_connections 4096; }}
-http {{
-    access_log off;
-    client_body_temp_path {dir}/body;
-    proxy_temp_path {dir}/proxy;
-    fastcgi_temp_path {dir}/fastcgi;
-    uwsgi_temp_path {dir}/uwsgi;
-    scgi_temp_path {dir}/scgi;
-    upstream backend {{
-        server {upstream};
-        keepalive 64;
-    }}
-    server {{
-        listen 127.0.0.1:{port};
-        location / {{
-            proxy_pass http://backend;
-            proxy_http_version 1.1;
-            proxy_set_header Connection "";
-            proxy_buffering off;
-            proxy_read_timeout 300s;
-        }}
-    }}
-}}
-"""
 
 
 class BenchError(Exception):
@@ -200,14 +170,8 @@ def start_nginx(procs: Procs, name: str, upstream: str) -> dict:
     port = free_port()
     folder = procs.work / name
     folder.mkdir()
-    conf = folder / "nginx.conf"
-    conf.write_text(
-        NGINX_CONF.format(
-            user="user root;" if os.geteuid() == 0 else "", dir=folder, upstream=upstream, port=port
-        )
-    )
-    nginx_bin = shutil.which("nginx") or "/usr/sbin/nginx"
-    proc, path = procs.start(name, [nginx_bin, "-c", str(conf), "-p", str(folder)])
+    conf = write_nginx_conf(folder, upstream, port, streaming=True)
+    proc, path = procs.start(name, [str(nginx_binary()), "-c", str(conf), "-p", str(folder)])
     # Any answer but nginx's own 502 means it listens and reaches the upstream.
     wait_http(f"http://127.0.0.1:{port}/", proc, 15, "nginx", path, ok=range(200, 502))
     return {"port": port, "pids": [proc.pid, *children(proc.pid)]}
@@ -542,7 +506,7 @@ def main() -> int:
     ][:1]
     if problems:
         ap.error(problems[0])
-    if not shutil.which("nginx") and not Path("/usr/sbin/nginx").exists():
+    if nginx_binary() is None:
         print(
             "llm_streams: error: nginx is not installed (scripts/bootstrap --bench installs it)",
             file=sys.stderr,

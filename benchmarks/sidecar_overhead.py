@@ -39,6 +39,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from nginx import binary as nginx_binary
+from nginx import write_conf as write_nginx_conf
 from procstat import cpu_seconds, memory_kib
 
 from inferwatch.net import free_port
@@ -66,37 +68,6 @@ function done(s, lat, req)
     s.requests, s.duration, e.connect, e.read, e.write, e.timeout, e.status,
     lat:percentile(50), lat:percentile(90), lat:percentile(99), lat:percentile(99.9), lat.max, lat.mean))
 end
-"""
-
-NGINX_CONF = """
-{user}
-daemon off;
-master_process on;
-worker_processes 1;
-pid {dir}/nginx.pid;
-error_log {dir}/error.log warn;
-events {{ worker_connections 4096; }}
-http {{
-    access_log off;
-    client_body_temp_path {dir}/body;
-    proxy_temp_path {dir}/proxy;
-    fastcgi_temp_path {dir}/fastcgi;
-    uwsgi_temp_path {dir}/uwsgi;
-    scgi_temp_path {dir}/scgi;
-    upstream triton {{
-        server {upstream};
-        keepalive 64;
-    }}
-    server {{
-        listen 127.0.0.1:{port};
-        client_max_body_size 64m;
-        location / {{
-            proxy_pass http://triton;
-            proxy_http_version 1.1;
-            proxy_set_header Connection "";
-        }}
-    }}
-}}
 """
 
 
@@ -210,18 +181,9 @@ def main() -> int:
         procs.append(sidecar)
         ng_port = free_port()
         (work / "nginx").mkdir()
-        conf = work / "nginx" / "nginx.conf"
-        conf.write_text(
-            NGINX_CONF.format(
-                user="user root;" if os.geteuid() == 0 else "",
-                dir=work / "nginx",
-                upstream=upstream,
-                port=ng_port,
-            )
-        )
-        nginx_bin = shutil.which("nginx") or "/usr/sbin/nginx"
+        conf = write_nginx_conf(work / "nginx", upstream, ng_port, max_body="64m")
         nginx = subprocess.Popen(
-            [nginx_bin, "-c", str(conf), "-p", str(work / "nginx")],
+            [str(nginx_binary()), "-c", str(conf), "-p", str(work / "nginx")],
             stdout=open(work / "nginx.log", "wb"),
             stderr=subprocess.STDOUT,
         )
