@@ -9,18 +9,48 @@ a spec without limits, one whose spec limits ``ranker``. Then:
 
 1. capacity: closed loop, 32 concurrent requests through the sidecar without limits;
    ``C`` = answers per second;
-2. the limits, from ``C`` and the SLA: a request bucket refilled at ``C``/s (burst ``C``/10),
-   concurrency 16 (two full batches in the server: one running, the next one forming), a queue
-   of 16 with a timeout of 40% of the SLA;
+2. the limits, from the model, ``C`` and the SLA (``derive_limits``; ``--concurrency`` and
+   ``--bucket`` override them to compare):
+
+   - ``concurrency``: 4 batches of the model's ``max_batch_size`` (8), so 32, the concurrency
+     ``C`` was measured at: one batch running and three in Triton's queue. A released slot's
+     replacement must reach Triton before the batches ahead of it are done, or the batcher
+     starts a short batch (after its 0.5 ms delay), capacity lost for good. Two batches (16)
+     leave one batch time (40 ms) for that round trip, and at 3x the sidecar spends most of
+     its CPU answering the shed requests (each a new connection): at 3x, Triton's achieved
+     batch was 6.9 at 16, 6.4 at 24 and 7.9 at 32 (one short run each, 2026-11-30, so read
+     them as a direction). More only adds latency: with the batcher full a request spends
+     about ``concurrency / C`` in the server (Little's law), 170 ms at 32 for ``C`` = 185/s,
+     so a tighter SLA needs fewer (see the queue).
+   - the queue: under sustained overload it is always full, so every admitted request waits
+     about ``queue / C`` in it: latency is ``(concurrency + queue) / C`` plus the sidecar and
+     the client. Those get 0.7 of the SLA (``BUDGET``; the rest is headroom for a server
+     that runs below ``C`` when the sender and the sidecar's shedding share its cores, and
+     for the tail): ``queue_timeout_ms`` is that budget less the server time, at least 10 ms,
+     ``queue`` is ``C`` x the timeout (10 ms and 2 for a 250 ms SLA and ``C`` = 185/s: the
+     server's own queue holds the work). A longer queue adds its wait to every admitted
+     request under overload and then times out; it helps only with bursts below capacity.
+   - no ``requests`` bucket: concurrency already bounds the load by what the server
+     completes, at whatever rate it completes it. A bucket refilled at exactly ``C``/s (the
+     first runs in RESULTS.md, burst ``C``/10) sheds Poisson bursts at 1x (about 2.6% in a
+     simulation of that bucket) and at 3x caps what is admitted at ``C``, so anything lost
+     after it (a short batch, a queue timeout) takes goodput below ``C`` with no headroom
+     left to make it up; the short batches above cost more. A bucket is a quota (a rate a
+     model is sold), not capacity protection: ``--bucket 1`` adds that one to compare.
 3. open loop (Poisson arrivals, each request's latency counted from its scheduled time, so a
    late sender does not hide a slow server) at 1x, 2x and 3x ``C``, each load against both
    sidecars in turn, ``--repeat`` times interleaved.
 
 Reported per cell: goodput (200 answers within the SLA per second of the run), admitted P50 and
-P99 (latency of the 200 answers), shed answers (429), other failures. Usage:
+P99 (latency of the 200 answers), shed answers (429), other failures, and Triton's own view:
+inferences per second (over the run and the drain of what was in flight) and the achieved batch
+size. Usage:
 
     .venv/bin/python benchmarks/overload.py [--duration 10] [--loads 1 2 3] [--repeat 2]
-        [--sla-ms 250] [--extra-latency-ms 40] [--json out.json] [--admission-only]
+        [--sla-ms 250] [--extra-latency-ms 40] [--concurrency N] [--bucket X]
+        [--json out.json] [--admission-only]
+
+A short check at 3x only: ``--loads 3 --repeat 1 --duration 5``.
 
 The sender is Python (aiohttp) on the same 2 shared cores as Triton and the sidecars: read the
 columns side by side, and the "late" column (arrivals sent more than 10 ms after their slot).
@@ -31,6 +61,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import math
 import random
 import signal
 import statistics
@@ -47,6 +78,8 @@ from inferwatch.net import free_port  # noqa: E402
 
 PATH = "/v2/models/ranker/versions/1/infer"
 CAPACITY_CONCURRENCY = 32
+MAX_BATCH = 8  # the reference ranker's max_batch_size
+BUDGET = 0.7  # of the SLA, for the server time and the queue wait (derive_limits)
 MAX_OUTSTANDING = 4000  # the sender's own bound; arrivals past it are counted as skipped
 LATE_S = 0.010
 REQUEST_TIMEOUT_S = 30.0
@@ -173,7 +206,24 @@ async def open_loop(port: int, body: bytes, rate: float, seconds: float, seed: i
             task.add_done_callback(tasks.discard)
         if tasks:
             await asyncio.wait(tasks)
-    return {"results": results, "late": late, "skipped": skipped, "seconds": seconds}
+        elapsed = time.monotonic() - start  # with the drain of what was still in flight
+    return {"results": results, "late": late, "skipped": skipped, "seconds": seconds, "elapsed": elapsed}
+
+
+def triton_counts(metrics_url: str) -> tuple[float, float]:
+    """Triton's own (inferences, executions) of ranker: what the server did in a run, and its
+    achieved batch size (inferences / executions)."""
+    import httpx
+
+    count = execs = 0.0
+    for line in httpx.get(metrics_url, timeout=10).text.splitlines():
+        if 'model="ranker"' not in line:
+            continue
+        if line.startswith("nv_inference_count{"):
+            count += float(line.rsplit(" ", 1)[1])
+        elif line.startswith("nv_inference_exec_count{"):
+            execs += float(line.rsplit(" ", 1)[1])
+    return count, execs
 
 
 def summarise(run: dict, sla_s: float) -> dict:
@@ -200,7 +250,31 @@ def summarise(run: dict, sla_s: float) -> dict:
         "p99_ms": pct(0.99),
         "late": run["late"],
         "skipped": run["skipped"],
+        "server_per_s": run.get("server", (0.0, 0.0))[0] / run["elapsed"],
+        "batch": run["server"][0] / run["server"][1] if run.get("server", (0, 0))[1] else float("nan"),
     }
+
+
+def derive_limits(capacity: float, sla_ms: float, concurrency: int = 0, bucket: float = 0.0) -> dict:
+    """The recommended limits for one model (the module docstring says why): ``concurrency``
+    (0: 4 batches); a queue timeout of the SLA's ``BUDGET`` less the server time at that
+    concurrency (``concurrency / capacity``), at least 10 ms; a queue of ``capacity`` x that
+    timeout; a request bucket only when ``bucket`` > 0 (refilled at ``bucket`` x ``capacity``,
+    burst ``capacity``/10)."""
+    concurrency = concurrency or 4 * MAX_BATCH
+    server_ms = concurrency / capacity * 1000.0
+    timeout_ms = max(10.0, BUDGET * sla_ms - server_ms)
+    limits: dict = {
+        "concurrency": concurrency,
+        "queue": max(1, math.ceil(capacity * timeout_ms / 1000.0)),
+        "queue_timeout_ms": round(timeout_ms, 1),
+    }
+    if bucket > 0:
+        limits["requests"] = {
+            "capacity": max(1, round(capacity / 10)),
+            "fill_rate": round(bucket * capacity, 1),
+        }
+    return limits
 
 
 def admission_cost() -> dict[str, float]:
@@ -230,12 +304,24 @@ def admission_cost() -> dict[str, float]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--duration", type=float, default=10.0, help="seconds per open-loop run")
     ap.add_argument("--loads", type=float, nargs="+", default=[1.0, 2.0, 3.0], help="x the capacity")
     ap.add_argument("--repeat", type=int, default=2)
     ap.add_argument("--sla-ms", type=float, default=250.0, help="the SLA goodput is judged against")
     ap.add_argument("--extra-latency-ms", type=float, default=40.0)
+    ap.add_argument(
+        "--concurrency",
+        type=int,
+        default=0,
+        help="the limited sidecar's concurrency (default: 4 batches: 32)",
+    )
+    ap.add_argument(
+        "--bucket",
+        type=float,
+        default=0.0,
+        help="add a request bucket refilled at this x C per second, burst C/10 (default: none)",
+    )
     ap.add_argument("--json", type=Path)
     ap.add_argument("--admission-only", action="store_true", help="only the in-process cost of admission")
     args = ap.parse_args(argv)
@@ -277,12 +363,7 @@ def main(argv: list[str] | None = None) -> int:
         print("measuring capacity ...", file=sys.stderr, flush=True)
         asyncio.run(closed_loop(plain_port, body, 2.0, CAPACITY_CONCURRENCY))  # warm-up
         capacity = asyncio.run(closed_loop(plain_port, body, 8.0, CAPACITY_CONCURRENCY))
-        limits = {
-            "requests": {"capacity": max(1, round(capacity / 10)), "fill_rate": round(capacity, 1)},
-            "concurrency": 16,
-            "queue": 16,
-            "queue_timeout_ms": round(0.4 * args.sla_ms, 1),
-        }
+        limits = derive_limits(capacity, args.sla_ms, args.concurrency, args.bucket)
         limited_spec = work / "limited.yaml"
         limited_spec.write_text(yaml.safe_dump({"models": [{**model, "limits": limits}]}))
         limited, limited_port = start_sidecar(work, "sidecar-limited", triton, limited_spec)
@@ -300,9 +381,12 @@ def main(argv: list[str] | None = None) -> int:
                         file=sys.stderr,
                         flush=True,
                     )
+                    before = triton_counts(triton.metrics_url)
                     run = asyncio.run(
                         open_loop(port, body, rate, args.duration, seed=rep * 100 + int(load * 10))
                     )
+                    after = triton_counts(triton.metrics_url)
+                    run["server"] = (after[0] - before[0], after[1] - before[1])
                     cells.setdefault(f"{load:g}", {}).setdefault(name, []).append(summarise(run, sla_s))
                     time.sleep(2.0)  # the server's queue drains between runs
     finally:
@@ -325,9 +409,9 @@ def main(argv: list[str] | None = None) -> int:
     print(f"limits: {json.dumps(limits)}\n")
     print(
         "| load | sidecar | offered/s | goodput/s (x C) | admitted P50 ms | admitted P99 ms "
-        "| 200 | 429 | failed | late |"
+        "| 200 | 429 | failed | late | server/s | batch |"
     )
-    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     failures: dict[str, int] = {}
     for load, by_target in cells.items():
         for name, runs in by_target.items():
@@ -342,7 +426,8 @@ def main(argv: list[str] | None = None) -> int:
             print(
                 f"| {load}x | {name} | {float(load) * capacity:.0f} | {med('goodput'):.0f} [{goodputs}] "
                 f"({med('goodput') / capacity:.2f}) | {med('p50_ms'):.0f} | {med('p99_ms'):.0f} | "
-                f"{med('ok'):.0f} | {med('shed'):.0f} | {med('failed'):.0f} | {med('late'):.0f} |"
+                f"{med('ok'):.0f} | {med('shed'):.0f} | {med('failed'):.0f} | {med('late'):.0f} | "
+                f"{med('server_per_s'):.0f} | {med('batch'):.1f} |"
             )
     if failures:
         print("\nfailures (all runs): " + ", ".join(f"{k} x{v}" for k, v in failures.items()))
