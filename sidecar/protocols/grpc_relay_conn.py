@@ -208,6 +208,19 @@ class _UpstreamSide(asyncio.Protocol):
         self.conn.client.resume_reading()
 
 
+def _splice(
+    out: list, buf: bytearray, run: int, pos: int, stop: int | None = None, replace: bytes = b""
+) -> int:
+    """The frame rewrite of both directions: ``buf[run:pos]`` (frames passed on as they came)
+    goes to ``out``, then ``replace`` in place of the frame ``buf[pos:stop]`` (b"": dropped);
+    returns where the next run of unchanged bytes starts (``stop``, or ``pos`` with no frame)."""
+    if run < pos:
+        out.append(bytes(buf[run:pos]))
+    if replace:
+        out.append(replace)
+    return pos if stop is None else stop
+
+
 class _Conn:
     """One client connection and its upstream connection."""
 
@@ -467,9 +480,7 @@ class _Conn:
                 elif self.local:
                     replace = b""
             elif ftype in (HEADERS, CONTINUATION):
-                if run < pos:
-                    out.append(bytes(buf[run:pos]))
-                run = pos  # a block that waits for its message takes its place in ``out``
+                run = _splice(out, buf, run, pos)  # a block that waits for its message takes its place
                 replace = self._client_headers(
                     sid, ftype, flags, bytes(buf[pos + 9 : stop]), bytes(buf[pos:stop]), out
                 )
@@ -499,14 +510,9 @@ class _Conn:
                     self._write_client(frame(PING, ACK, 0, bytes(buf[pos + 9 : stop])))
                 replace = b""
             if replace is not None:
-                if run < pos:
-                    out.append(bytes(buf[run:pos]))
-                if replace:
-                    out.append(replace)
-                run = stop
+                run = _splice(out, buf, run, pos, stop, replace)
             pos = stop
-        if run < pos:
-            out.append(bytes(buf[run:pos]))
+        _splice(out, buf, run, pos)
         del buf[:pos]
         if self.holes:
             self.held = out  # written once every waiting block has its message
@@ -905,9 +911,7 @@ class _Conn:
                     replace = frame(SETTINGS, 0, 0, settings_without_table(bytes(buf[pos + 9 : stop])))
                     if not self.settings_out:
                         # The client's server preface: what the relay wrote meanwhile follows it.
-                        if run < pos:
-                            out.append(bytes(buf[run:pos]))
-                        out.append(replace)
+                        _splice(out, buf, run, pos, pos, replace)
                         if not self.client.is_closing():
                             self.client.write(b"".join(out))
                         out.clear()
@@ -931,14 +935,9 @@ class _Conn:
                         else:
                             self._finish(st, _RESET_CODES.get(err, INTERNAL))
             if replace is not None:
-                if run < pos:
-                    out.append(bytes(buf[run:pos]))
-                if replace:
-                    out.append(replace)
-                run = stop
+                run = _splice(out, buf, run, pos, stop, replace)
             pos = stop
-        if run < pos:
-            out.append(bytes(buf[run:pos]))
+        _splice(out, buf, run, pos)
         del buf[:pos]
         if out:
             self._write_client(b"".join(out))
