@@ -215,13 +215,15 @@ def triton_counts(metrics_url: str) -> tuple[float, float]:
     achieved batch size (inferences / executions)."""
     import httpx
 
+    from inferwatch import contract
+
     count = execs = 0.0
     for line in httpx.get(metrics_url, timeout=10).text.splitlines():
         if 'model="ranker"' not in line:
             continue
-        if line.startswith("nv_inference_count{"):
+        if line.startswith(contract.TRITON_INFERENCE_COUNT.name + "{"):
             count += float(line.rsplit(" ", 1)[1])
-        elif line.startswith("nv_inference_exec_count{"):
+        elif line.startswith(contract.TRITON_EXEC_COUNT.name + "{"):
             execs += float(line.rsplit(" ", 1)[1])
     return count, execs
 
