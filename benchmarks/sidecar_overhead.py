@@ -22,6 +22,14 @@ Usage (one command; about 7 minutes at the defaults):
 
 Needs wrk and nginx (`scripts/bootstrap --bench` installs them). The machine is shared and
 noisy: read the ratios measured side by side in one run.
+
+A/B against an older sidecar (``--baseline-tree``): a second sidecar, run from another checkout
+with this virtual environment, is one more target ("baseline") in the same interleaved rounds,
+so old and new code are compared under the same load and drift:
+
+    git worktree add /tmp/iw-base <commit>
+    .venv/bin/python benchmarks/sidecar_overhead.py --baseline-tree /tmp/iw-base
+    git worktree remove /tmp/iw-base
 """
 
 from __future__ import annotations
@@ -71,14 +79,37 @@ end
 """
 
 
+def start_sidecar(work: Path, name: str, http: str, grpc: str, tree: Path | None = None) -> tuple:
+    """A sidecar in front of Triton: (process, HTTP port, log file). ``tree``: another checkout whose own
+    code runs (``python -m sidecar`` from it, with its fleet.yaml), with this virtual environment."""
+    port = free_port()
+    if tree is None:
+        cmd, cwd, env = [str(ROOT / ".venv" / "bin" / "inferwatch"), "sidecar"], None, None
+        spec = ROOT / "fleet.yaml"
+    else:
+        cmd, cwd = [str(ROOT / ".venv" / "bin" / "python"), "-m", "sidecar"], tree
+        env = {**os.environ, "PYTHONPATH": str(tree)}  # before the venv's editable install of this tree
+        spec = tree / "fleet.yaml"
+    args = ["--upstream-http", http, "--upstream-grpc", grpc, "--host", "127.0.0.1", "--http-port", str(port)]
+    # As deployed: the gRPC proxy runs too (its memory counts).
+    args += ["--grpc-port", str(free_port()), "--metrics-port", str(free_port()), "--spec", str(spec)]
+    log = work / f"{name}.log"
+    proc = subprocess.Popen(cmd + args, cwd=cwd, env=env, stdout=open(log, "wb"), stderr=subprocess.STDOUT)
+    return proc, port, log
+
+
 def children(pid: int) -> list[int]:
     out = subprocess.run(["pgrep", "-P", str(pid)], capture_output=True, text=True).stdout.split()
     return [int(p) for p in out]
 
 
-def wait_port(port: int, timeout: float = 30.0) -> None:
+def wait_port(
+    port: int, timeout: float = 30.0, proc: subprocess.Popen | None = None, log: Path | None = None
+) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
+        if proc is not None and proc.poll() is not None:
+            raise RuntimeError(f"{' '.join(map(str, proc.args[:3]))} exited ({proc.returncode}): see {log}")
         try:
             with socket.create_connection(("127.0.0.1", port), timeout=1):
                 return
@@ -108,14 +139,31 @@ def wrk(port: int, duration: float, connections: int, env: dict[str, str], lua: 
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0],
+        epilog=__doc__[__doc__.index("A/B against") :],
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     ap.add_argument("--duration", type=float, default=8.0, help="seconds per measurement (default 8)")
     ap.add_argument(
         "--rates", type=int, nargs="+", default=[200, 500, 1000], help="open-loop rates, requests/s"
     )
     ap.add_argument("--repeat", type=int, default=3, help="interleaved repetitions; medians are reported")
     ap.add_argument("--json", type=Path, help="also write the raw figures here")
+    ap.add_argument(
+        "--baseline-tree",
+        type=Path,
+        metavar="DIR",
+        help="also measure the sidecar of this checkout (e.g. a git worktree of an older commit), "
+        "interleaved as the target 'baseline'",
+    )
     args = ap.parse_args()
+    if args.duration < 1 or args.repeat < 1 or any(r < 1 for r in args.rates):
+        ap.error("--duration, --repeat and --rates must be at least 1")
+    if args.baseline_tree is not None:
+        args.baseline_tree = args.baseline_tree.resolve()
+        if not (args.baseline_tree / "sidecar" / "__main__.py").is_file():
+            ap.error(f"--baseline-tree {args.baseline_tree}: no sidecar/__main__.py there (not a checkout)")
     for tool in ("wrk", "nginx"):
         if not shutil.which(tool) and not Path(f"/usr/sbin/{tool}").exists():
             print(
@@ -155,30 +203,14 @@ def main() -> int:
     triton.start()
     try:
         upstream = triton.http_url
-        sc_port, sc_metrics = free_port(), free_port()
-        sidecar = subprocess.Popen(
-            [
-                str(ROOT / ".venv" / "bin" / "inferwatch"),
-                "sidecar",
-                "--upstream-http",
-                upstream,
-                "--upstream-grpc",
-                triton.grpc_url,
-                "--host",
-                "127.0.0.1",
-                "--http-port",
-                str(sc_port),
-                "--grpc-port",
-                str(free_port()),  # as deployed: the gRPC proxy runs too (its memory counts)
-                "--metrics-port",
-                str(sc_metrics),
-                "--spec",
-                str(ROOT / "fleet.yaml"),
-            ],
-            stdout=open(work / "sidecar.log", "wb"),
-            stderr=subprocess.STDOUT,
-        )
+        sidecar, sc_port, sc_log = start_sidecar(work, "sidecar", upstream, triton.grpc_url)
         procs.append(sidecar)
+        baseline = None
+        if args.baseline_tree is not None:
+            baseline, bl_port, bl_log = start_sidecar(
+                work, "baseline", upstream, triton.grpc_url, args.baseline_tree
+            )
+            procs.append(baseline)  # before nginx: the last process is nginx (SIGQUIT below)
         ng_port = free_port()
         (work / "nginx").mkdir()
         conf = write_nginx_conf(work / "nginx", upstream, ng_port, max_body="64m")
@@ -188,14 +220,18 @@ def main() -> int:
             stderr=subprocess.STDOUT,
         )
         procs.append(nginx)
-        wait_port(sc_port)
+        wait_port(sc_port, proc=sidecar, log=sc_log)
+        if baseline is not None:
+            wait_port(bl_port, proc=baseline, log=bl_log)
         wait_port(ng_port)
         time.sleep(1.0)
         targets = {
             "direct": (int(upstream.rsplit(":", 1)[1]), []),
             "sidecar": (sc_port, [sidecar.pid]),
-            "nginx": (ng_port, [nginx.pid, *children(nginx.pid)]),
         }
+        if baseline is not None:  # right after the sidecar: the two see the closest conditions
+            targets["baseline"] = (bl_port, [baseline.pid])
+        targets["nginx"] = (ng_port, [nginx.pid, *children(nginx.pid)])
         env_base = {"IW_BODY": str(work / "body.json")}
         print("warming up ...", file=sys.stderr, flush=True)
         for port, _ in targets.values():
@@ -287,7 +323,7 @@ def report(results: dict, args: argparse.Namespace) -> str:
         "| proxy RSS MB (peak) | errors |",
         "| --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
-    for name in ("direct", "sidecar", "nginx"):
+    for name in m:
         r = m[name]
         cpu = "-" if name == "direct" else f"{r['cpu_per_1k']:.3f}"
         rss = "-" if name == "direct" else f"{r['rss_kib'] / 1024:.1f} ({r['hwm_kib'] / 1024:.1f})"
@@ -298,6 +334,28 @@ def report(results: dict, args: argparse.Namespace) -> str:
         )
     lines.append("")
     lines.append(f"sidecar / nginx throughput at saturation: {m['sidecar']['rps'] / m['nginx']['rps']:.2f}")
+    if "baseline" in m:
+        lines += [
+            "",
+            f"A/B: this sidecar against the baseline ({args.baseline_tree}), same rounds "
+            "(CPU relative to nginx's in the same cell; added = minus direct):",
+            "",
+            "| rate/s | CPU-s/1k sidecar / baseline | vs nginx sidecar / baseline "
+            "| P50 added sidecar / baseline | P99 added sidecar / baseline | errors |",
+            "| --- | --- | --- | --- | --- | --- |",
+        ]
+        cells = [*results["rates"].items(), ("max", m)]
+        for rate, cell in cells:
+            d, s, b, n = cell["direct"], cell["sidecar"], cell["baseline"], cell["nginx"]
+            # nginx's CPU in a short cell can be under one clock tick: no ratio then.
+            vs_nginx = lambda r, n=n: f"{r['cpu_per_1k'] / n['cpu_per_1k']:.2f}" if n["cpu_per_1k"] else "-"  # noqa: E731
+            lines.append(
+                f"| {rate} | {s['cpu_per_1k']:.3f} / {b['cpu_per_1k']:.3f} "
+                f"| {vs_nginx(s)} / {vs_nginx(b)} "
+                f"| {ms(s['p50_us'] - d['p50_us'])} / {ms(b['p50_us'] - d['p50_us'])} "
+                f"| {ms(s['p99_us'] - d['p99_us'])} / {ms(b['p99_us'] - d['p99_us'])} "
+                f"| {s['errors']}/{b['errors']} |"
+            )
     return "\n".join(lines)
 
 
