@@ -126,6 +126,12 @@ REQUESTS_SHED = Metric(
     "Requests shed by the sidecar's per-model limits before the server saw them (also in requests_total).",
     (L_MODEL, L_REASON),
 )
+CONCURRENCY_LIMIT = Metric(
+    "inferwatch_concurrency_limit",
+    "gauge",
+    "The sidecar's concurrency limit for the model (limits.concurrency; adaptive: its value now).",
+    (L_MODEL,),
+)
 UPSTREAM_UP = Metric(
     "inferwatch_upstream_up",
     "gauge",
@@ -199,6 +205,7 @@ SIDECAR_METRICS = (
     MODEL_LATENCY_SLA,
     UPSTREAM_UP,
     REQUESTS_SHED,
+    CONCURRENCY_LIMIT,
     *LLM_SIDECAR_METRICS,
 )
 

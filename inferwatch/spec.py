@@ -106,6 +106,19 @@ class Bucket(_Strict):
     fill_rate: float = Field(gt=0, le=1_000_000_000, allow_inf_nan=False, description="tokens per second")
 
 
+class Adaptive(_Strict):
+    """The concurrency limit follows the latency of admitted requests (sidecar.core.admission):
+    it starts at ``concurrency``, grows by one per window of answers whose P90 stays under
+    ``target_ms`` while the limit is reached, and shrinks by a fifth as soon as a tenth of a
+    window's answers are slower; always within ``min`` .. ``max``."""
+
+    min: int = Field(1, ge=1, le=1_000_000)
+    max: int = Field(ge=1, le=1_000_000)
+    # Time in the server (admitted to answered; the sidecar's queue wait is the queue's
+    # business); unset: half the model's latency_sla_ms, the other half left to the queue.
+    target_ms: float | None = Field(None, gt=0, le=3_600_000, allow_inf_nan=False)
+
+
 class Limits(_Strict):
     """Overload protection, enforced per model by the sidecar (sidecar.core.admission) before a
     request reaches the server. Unset: no such limit. In a model, each key set overrides the
@@ -116,6 +129,7 @@ class Limits(_Strict):
     concurrency: int | None = Field(None, ge=1, le=1_000_000, description="in flight to the server")
     queue: int = Field(0, ge=0, le=1_000_000, description="waiting for a concurrency slot beyond that")
     queue_timeout_ms: float = Field(500.0, gt=0, le=3_600_000, allow_inf_nan=False)
+    adaptive: Adaptive | None = None  # concurrency follows latency; concurrency is where it starts
 
 
 def _merge(base: Limits | None, own: Limits | None) -> Limits | None:
@@ -291,6 +305,18 @@ class FleetSpec(_Strict):
         for where, limits in checks:
             if limits is not None and limits.queue and limits.concurrency is None:
                 raise ValueError(f"{where}.queue: a queue waits for a concurrency slot; set concurrency too")
+            if limits is not None and limits.adaptive is not None:
+                low, high, start = limits.adaptive.min, limits.adaptive.max, limits.concurrency
+                if start is None:
+                    raise ValueError(
+                        f"{where}.adaptive: the limit starts at concurrency; set concurrency too"
+                    )
+                if low > high:
+                    raise ValueError(f"{where}.adaptive.min: {low} is above max ({high})")
+                if not low <= start <= high:
+                    raise ValueError(
+                        f"{where}.concurrency: {start} is outside adaptive's min..max ({low}..{high})"
+                    )
         return self
 
     def served_names(self) -> dict[str, tuple[str, str]]:
@@ -306,10 +332,17 @@ class FleetSpec(_Strict):
         return (model.latency_sla_ms if model else self.defaults.latency_sla_ms) / 1000.0
 
     def limits_for(self, name: str) -> Limits | None:
-        """The model's limits: the defaults', with the keys the model sets overriding them;
-        None when neither sets any."""
+        """The model's limits: the defaults', with the keys the model sets overriding them
+        (an ``adaptive`` block's unset ``target_ms`` resolved from the model's SLA); None when
+        neither sets any."""
         model = self.model(name)
-        return _merge(self.defaults.limits, model.limits if model else None)
+        limits = _merge(self.defaults.limits, model.limits if model else None)
+        if limits is not None and limits.adaptive is not None and limits.adaptive.target_ms is None:
+            # Resolved per model: a defaults' adaptive block steers each model to its own SLA.
+            target = 0.5 * (model.latency_sla_ms if model else self.defaults.latency_sla_ms)
+            adaptive = limits.adaptive.model_copy(update={"target_ms": target})
+            limits = limits.model_copy(update={"adaptive": adaptive})
+        return limits
 
     def has_limits(self) -> bool:
         return self.defaults.limits is not None or any(m.limits is not None for m in self.models)

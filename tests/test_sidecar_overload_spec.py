@@ -114,6 +114,46 @@ BAD_LIMITS = {
         "models[0].limits.queue: a queue waits for a concurrency slot; set concurrency too",
     ),
     "limits not a mapping": ({"model": 64}, "models[0].limits: must be a valid dictionary"),
+    "adaptive without concurrency": (
+        {"model": {"adaptive": {"max": 8}}},
+        "models[0].limits.adaptive: the limit starts at concurrency; set concurrency too",
+    ),
+    "adaptive without concurrency (defaults)": (
+        {"defaults": {"adaptive": {"max": 8}}},
+        "defaults.limits.adaptive: the limit starts at concurrency; set concurrency too",
+    ),
+    "adaptive without max": (
+        {"model": {"concurrency": 4, "adaptive": {"min": 2}}},
+        "models[0].limits.adaptive.max: required field is missing",
+    ),
+    "adaptive min 0": (
+        {"model": {"concurrency": 4, "adaptive": {"min": 0, "max": 8}}},
+        "models[0].limits.adaptive.min: must be greater than or equal to 1",
+    ),
+    "adaptive min above max": (
+        {"model": {"concurrency": 4, "adaptive": {"min": 9, "max": 8}}},
+        "models[0].limits.adaptive.min: 9 is above max (8)",
+    ),
+    "concurrency outside adaptive's bounds": (
+        {"model": {"concurrency": 16, "adaptive": {"min": 2, "max": 8}}},
+        "models[0].limits.concurrency: 16 is outside adaptive's min..max (2..8)",
+    ),
+    "adaptive target_ms 0": (
+        {"model": {"concurrency": 4, "adaptive": {"max": 8, "target_ms": 0}}},
+        "models[0].limits.adaptive.target_ms: must be greater than 0",
+    ),
+    "adaptive target_ms a word": (
+        {"model": {"concurrency": 4, "adaptive": {"max": 8, "target_ms": "fast"}}},
+        "models[0].limits.adaptive.target_ms: must be a valid number",
+    ),
+    "adaptive key misspelt": (
+        {"model": {"concurrency": 4, "adaptive": {"max": 8, "target": 0.5}}},
+        "models[0].limits.adaptive.target: unknown key",
+    ),
+    "adaptive a word": (
+        {"model": {"concurrency": 4, "adaptive": "yes"}},
+        "models[0].limits.adaptive: must be a valid dictionary",
+    ),
 }
 
 
@@ -341,6 +381,127 @@ def test_model_labels_bound_the_gates() -> None:
     refusal = a.acquire("invented-2")  # shares the overflow label's bucket
     assert refusal is not None and refusal.reason == SHED_REQUESTS and "__other__" in refusal.message
     assert a.acquire("m") is None
+
+
+# --------------------------------------------------------------------------- adaptive concurrency
+
+
+def test_adaptive_target_defaults_to_half_of_each_models_sla() -> None:
+    spec = spec_with(defaults={"concurrency": 4, "adaptive": {"max": 16}})
+    own = spec.limits_for("m")  # latency_sla_ms 100
+    assert own is not None and own.adaptive is not None and own.adaptive.target_ms == 50
+    other = spec.limits_for("unlisted")  # the defaults' SLA, 500 ms
+    assert other is not None and other.adaptive is not None and other.adaptive.target_ms == 250
+    assert spec.defaults.limits.adaptive.target_ms is None  # type: ignore[union-attr]  # not mutated
+    fixed = spec_with(model={"concurrency": 4, "adaptive": {"min": 2, "max": 16, "target_ms": 30}})
+    got = fixed.limits_for("m")
+    assert got is not None and got.adaptive is not None
+    assert (got.adaptive.min, got.adaptive.max, got.adaptive.target_ms) == (2, 16, 30)
+
+
+def limit_of(reg: CollectorRegistry, model: str = "m") -> float | None:
+    return reg.get_sample_value(contract.CONCURRENCY_LIMIT.name, {"model": model})
+
+
+def answer(a: Admission, n: int, latency: float | None, pressed: bool = True) -> None:
+    """``n`` requests admitted and answered one by one, each after ``latency`` seconds in the
+    server; ``pressed``: a further request finds the limit reached before each answer."""
+    for _ in range(n):
+        a.acquire("m")
+        if pressed:
+            while a.acquire("m") is None:  # fill the free slots; the refusal marks the limit reached
+                pass
+        a.release("m", latency)
+    while a.active:  # what the filling admitted, answered too fast to count
+        a.release("m")
+
+
+def test_adaptive_grows_by_one_per_fast_window_while_the_limit_is_reached() -> None:
+    reg = CollectorRegistry()
+    a, _ = admission({"concurrency": 10, "adaptive": {"min": 2, "max": 12, "target_ms": 50}}, registry=reg)
+    assert a.acquire("m") is None  # the gate exists and exports its limit
+    a.release("m")
+    assert limit_of(reg) == 10
+    answer(a, 9, 0.010)
+    assert limit_of(reg) == 10  # a window is max(limit, 10) answers
+    answer(a, 1, 0.010)
+    assert limit_of(reg) == 11
+    answer(a, 11, 0.010)
+    assert limit_of(reg) == 12
+    answer(a, 100, 0.010)
+    assert limit_of(reg) == 12  # max
+
+
+def test_adaptive_does_not_grow_a_limit_nobody_reaches() -> None:
+    reg = CollectorRegistry()
+    a, _ = admission({"concurrency": 4, "adaptive": {"max": 64, "target_ms": 50}}, registry=reg)
+    answer(a, 200, 0.001, pressed=False)  # one request at a time, fast
+    assert limit_of(reg) == 4
+
+
+def test_adaptive_shrinks_by_a_fifth_when_a_tenth_are_slow_and_skips_what_was_in_flight() -> None:
+    reg = CollectorRegistry()
+    a, _ = admission({"concurrency": 20, "adaptive": {"min": 5, "max": 20, "target_ms": 50}}, registry=reg)
+    for _ in range(20):
+        assert a.acquire("m") is None
+    a.release("m", 0.200)
+    a.release("m", 0.200)
+    assert limit_of(reg) == 20  # 2 slow of a 20-answer window: its P90 may still be under
+    a.release("m", 0.200)
+    assert limit_of(reg) == 16  # 3: over a tenth
+    # The 17 still in flight ran under the old limit: their answers are skipped.
+    for _ in range(17):
+        a.release("m", 0.200)
+    assert limit_of(reg) == 16 and a.active == 0
+    for _ in range(16):
+        assert a.acquire("m") is None
+    assert a.acquire("m") is not None  # the new limit holds
+    a.release("m", 0.200)
+    a.release("m", 0.200)  # over 1.6 of a 16-answer window
+    assert limit_of(reg) == 12
+    while a.active:
+        a.release("m", 0.200)
+    assert limit_of(reg) == 12
+    answer(a, 100, 1.0, pressed=False)
+    assert limit_of(reg) == 5  # min
+
+
+def test_adaptive_needs_the_latency_a_caller_passes() -> None:
+    reg = CollectorRegistry()
+    a, _ = admission({"concurrency": 8, "adaptive": {"max": 16, "target_ms": 50}}, registry=reg)
+    answer(a, 50, None)  # streams, or a caller that does not time its requests
+    assert limit_of(reg) == 8
+
+
+def test_adaptive_growth_admits_waiters_and_a_reload_keeps_the_limit_within_new_bounds() -> None:
+    async def main() -> None:
+        reg = CollectorRegistry()
+        limits = {"concurrency": 10, "queue": 4, "adaptive": {"max": 20, "target_ms": 50}}
+        a, _ = admission(limits, registry=reg)
+        woken: list[object] = []
+        for _ in range(10):
+            assert a.acquire("m") is None
+        for _ in range(9):  # 9 fast answers, each slot taken again at once
+            a.release("m", 0.001)
+            assert a.acquire("m") is None
+        assert isinstance(a.acquire("m", wake=woken.append), Waiting)  # the limit is reached
+        assert isinstance(a.acquire("m", wake=woken.append), Waiting)
+        a.release("m", 0.001)  # the 10th: the window grows the limit to 11
+        assert limit_of(reg) == 11 and woken == [None, None] and a.active == 11  # freed + grown
+        while a.active:
+            a.release("m")
+        # Grow it further, then reload with a lower max: the limit found stays, clamped.
+        answer(a, 40, 0.001)
+        assert limit_of(reg) >= 13  # type: ignore[operator]
+        spec = spec_with(defaults={"concurrency": 10, "adaptive": {"max": 12, "target_ms": 50}})
+        a.reload(spec.limits_for)
+        assert limit_of(reg) == 12
+        a.reload(spec_with(defaults={"concurrency": 6}).limits_for)  # static again: its value
+        assert limit_of(reg) == 6
+        a.reload(spec_with(defaults={"requests": {"capacity": 5, "fill_rate": 1}}).limits_for)
+        assert limit_of(reg) is None  # no concurrency limit: no series
+
+    asyncio.run(main())
 
 
 @pytest.mark.parametrize(

@@ -55,6 +55,13 @@ from inferwatch import contract
 from inferwatch.spec import Limits
 
 _UNLIMITED = Limits()
+# Adaptive concurrency (Limits.adaptive): a window's answers slower than the target past this
+# share shrink the limit at once (the window's P90 is above it); the limit then keeps this
+# share of itself. 0.8 rather than TCP's 0.5: a batching server's latency is a step function
+# of the batches ahead, so a fifth usually takes it back under the target.
+_OVER_SHARE = 0.1
+_BACKOFF = 0.8
+_MIN_WINDOW = 10  # answers per decision at least: one slow answer of four is not a P90
 # Model names kept as aliases of their label's gate at most: a client may invent names.
 MAX_GATE_ALIASES = 4096
 
@@ -123,8 +130,11 @@ class _Gate:
 
     __slots__ = (
         "active",
+        "adaptive",
         "concurrency",
         "label",
+        "limit_gauge",
+        "over",
         "queue",
         "queue_cap",
         "queue_timeout",
@@ -133,23 +143,42 @@ class _Gate:
         "r_timeout",
         "r_tokens",
         "requests",
+        "samples",
+        "saturated",
         "shed",
+        "skip",
+        "target",
         "tokens",
     )
 
-    def __init__(self, label: str, limits: Limits, now: float, shed: dict[str, Any] | None) -> None:
+    def __init__(
+        self, label: str, limits: Limits, now: float, shed: dict[str, Any] | None, limit_gauge: Any = None
+    ) -> None:
         self.active = 0
         self.queue: deque[Waiting] = deque()
         self.requests: _Bucket | None = None
         self.tokens: _Bucket | None = None
         self.shed = shed  # reason -> the shed counter's child (None: not counted)
+        self.limit_gauge = limit_gauge  # the concurrency-limit gauge's family (None: not exported)
         self.label = label
+        self.adaptive = None
+        self.concurrency = 0
         self.configure(label, limits, now)
 
     def configure(self, label: str, limits: Limits, now: float) -> None:
         self.requests = _rebucket(self.requests, limits.requests, now)
         self.tokens = _rebucket(self.tokens, limits.tokens, now)
-        self.concurrency = limits.concurrency or 0
+        adaptive = limits.adaptive
+        if adaptive is not None and self.adaptive is not None and self.concurrency:
+            # Still adaptive after a reload: the limit it found stays, within the new bounds.
+            self.concurrency = min(adaptive.max, max(adaptive.min, self.concurrency))
+        else:
+            self.concurrency = limits.concurrency or 0
+        self.adaptive = adaptive
+        # spec.limits_for resolves target_ms from the model's SLA when the spec leaves it unset.
+        self.target = (adaptive.target_ms or 0.0) / 1000.0 if adaptive is not None else 0.0
+        self._new_window(0)
+        self._export()
         self.queue_cap = limits.queue if self.concurrency else 0
         self.queue_timeout = limits.queue_timeout_ms / 1000.0
         who = f"inferwatch sidecar: model {label!r}"
@@ -167,6 +196,50 @@ class _Gate:
         self.r_timeout = Refusal(
             SHED_QUEUE_TIMEOUT, f"{who}: waited {limits.queue_timeout_ms:g} ms for a slot", 1
         )
+
+    def _export(self) -> None:
+        if self.limit_gauge is None:
+            return
+        if self.concurrency:
+            self.limit_gauge.labels(self.label).set(self.concurrency)
+        else:
+            try:
+                self.limit_gauge.remove(self.label)
+            except KeyError:
+                pass
+
+    def _new_window(self, skip: int) -> None:
+        self.samples = self.over = 0
+        self.saturated = False
+        self.skip = skip
+
+    def observe(self, latency: float) -> None:
+        """Adaptive concurrency: one admitted request's time in the server. Additive increase
+        (one per window of ``concurrency`` answers, at least ``_MIN_WINDOW``, whose P90 stayed
+        under the target, only if the limit was reached in it: a limit nobody presses against
+        proves nothing), multiplicative decrease (``_BACKOFF``, as soon as the window's P90 is
+        over the target). After a decrease the answers of what was already in flight are
+        skipped: they ran under the old limit."""
+        if self.skip:
+            self.skip -= 1
+            return
+        self.samples += 1
+        window = max(self.concurrency, _MIN_WINDOW)
+        if latency > self.target:
+            self.over += 1
+            if self.over > _OVER_SHARE * window:
+                adaptive = self.adaptive
+                lower = max(adaptive.min, int(self.concurrency * _BACKOFF))  # type: ignore[union-attr]
+                if lower < self.concurrency:
+                    self.concurrency = lower
+                    self._export()
+                self._new_window(self.active)
+                return
+        if self.samples >= window:
+            if self.saturated and self.concurrency < self.adaptive.max:  # type: ignore[union-attr]
+                self.concurrency += 1
+                self._export()
+            self._new_window(0)
 
 
 def _rebucket(old: _Bucket | None, spec: Any, now: float) -> _Bucket | None:
@@ -193,6 +266,7 @@ class Admission:
         "_full",
         "_gates",
         "_label",
+        "_limit_gauge",
         "_limits",
         "_shed",
         "active",
@@ -217,11 +291,14 @@ class Admission:
         # model label -> its gate, or None when the model has no limits (looked up once).
         self._gates: dict[str, _Gate | None] = {}
         self._shed = None
+        self._limit_gauge = None
         if registry is not None:
-            from prometheus_client import Counter
+            from prometheus_client import Counter, Gauge
 
             m = contract.REQUESTS_SHED
             self._shed = Counter(m.name, m.help, m.labels, registry=registry)
+            m = contract.CONCURRENCY_LIMIT
+            self._limit_gauge = Gauge(m.name, m.help, m.labels, registry=registry)
 
     @property
     def per_model(self) -> bool:
@@ -241,7 +318,7 @@ class Admission:
             shed = None
             if self._shed is not None:
                 shed = {r: self._shed.labels(label, r) for r in SHED_REASONS}
-            gate = _Gate(label, limits, self.clock(), shed)
+            gate = _Gate(label, limits, self.clock(), shed, self._limit_gauge)
             self._gates[label] = gate
         if label == model:
             return gate  # type: ignore[return-value]
@@ -272,6 +349,7 @@ class Admission:
         ):
             return self._refuse(gate, gate.r_tokens)
         if gate.concurrency and gate.active >= gate.concurrency:
+            gate.saturated = True  # adaptive: the limit is what held this request back
             if wake is None or len(gate.queue) >= gate.queue_cap:
                 return self._refuse(gate, gate.r_full)
             waiting = Waiting(gate, wake)
@@ -312,13 +390,18 @@ class Admission:
             return
         waiting.wake(self._refuse(gate, gate.r_timeout))
 
-    def release(self, model: str = "") -> None:
+    def release(self, model: str = "", latency: float | None = None) -> None:
+        """``latency``: seconds from admission (a slot given, after any queue wait) to the end,
+        what an adaptive limit (``Limits.adaptive``) steers by; None: not a sample (a stream,
+        or a caller that does not time it)."""
         self.active -= 1
         if self._limits is None or model == contract.MODEL_NONE:
             return
         gate = self._gate(model)
         if gate.active > 0:  # 0: admitted before limits were first configured (reload)
             gate.active -= 1
+        if latency is not None and gate.adaptive is not None:
+            gate.observe(latency)
         self._pump(gate)
 
     def _pump(self, gate: _Gate) -> None:

@@ -245,10 +245,11 @@ class GrpcProxy:
                 tel = telemetry.begin(model, version, PROTOCOL_GRPC, None, span_name, attributes)
                 telemetry.end(tel, name, outcome, len(request) if isinstance(request, bytes) else 0, 0)
                 await context.abort(_EXHAUSTED, refusal.message)
+            admitted = asyncio.get_running_loop().time()  # after any queue wait: what a limit steers by
             try:
                 return await handler(request, context)
             finally:
-                admission.release(model)
+                admission.release(model, asyncio.get_running_loop().time() - admitted)
 
         return limited
 

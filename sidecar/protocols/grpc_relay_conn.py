@@ -416,7 +416,10 @@ class _Conn:
     def _release(self, st: Call) -> None:
         if st.counted:
             st.counted = False
-            self.relay.admission.release(st.admitted)
+            # A unary call's time since its message was read (where per-model limits admit it)
+            # steers an adaptive limit; a stream's life is not a latency.
+            tel = st.tel if st.kind == UNARY else None
+            self.relay.admission.release(st.admitted, time.perf_counter() - tel.start if tel else None)
 
     def _begin(self, st: Call, model: str, version: str) -> Any:
         if self.relay.retries:
