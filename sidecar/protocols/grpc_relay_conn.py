@@ -342,6 +342,10 @@ class _Conn:
                 self._release(st)
                 self._finish(st, self._gone_code(st))
         self.streams.clear()
+        self._let_go()
+
+    def _let_go(self) -> None:
+        """The client side is closed or lost: close the upstream side and forget the connection."""
         if self.up is not None:
             self.closing = True
             self.up.close()
@@ -376,11 +380,7 @@ class _Conn:
             out.append(frame(GOAWAY, 0, 0, struct.pack(">II", self.last_sid, INTERNAL_ERROR)))
             self._write_client(b"".join(out))
         self.client.close()
-        if self.up is not None:
-            self.closing = True
-            self.up.close()
-        self.connect_task.cancel()
-        self.relay.conns.discard(self)
+        self._let_go()
 
     def goaway(self, final: bool) -> None:
         """Graceful shutdown in two steps (RFC 9113 6.8). First a GOAWAY naming the highest
