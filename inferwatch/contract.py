@@ -659,6 +659,8 @@ REC_SLO_ERROR_RATE = "model:inferwatch_slo_server_errors:rate"
 # Canary comparison (canary.window of the spec), only for versions with at least
 # canary.min_requests requests (the error ratio) or successful requests (the quantile).
 REC_CANARY_ERROR_RATIO = "model_version:inferwatch_canary_server_errors:ratio"
+# Requests per model version over canary.window, every version: the error ratio's denominator.
+REC_CANARY_REQUESTS = "model_version:inferwatch_canary_requests:increase"
 REC_CANARY_LATENCY_QUANTILE = "model_version:inferwatch_canary_request_duration_seconds:quantile"
 # Generative (LLM) serving (alert_rules/groups/llm.py, llm_slo.py, llm_saturation.py).
 # TTFT and TPOT quantiles per model and version over alerts.latency.window (label quantile).
@@ -706,6 +708,7 @@ RECORDING_RULES = (
     REC_SLO_OBJECTIVE,
     REC_SLO_BUDGET_REMAINING,
     REC_CANARY_ERROR_RATIO,
+    REC_CANARY_REQUESTS,
     REC_CANARY_LATENCY_QUANTILE,
     REC_LATENCY_BUCKET_RATE,
     REC_TTFT_BUCKET_RATE,

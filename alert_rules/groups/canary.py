@@ -27,10 +27,16 @@ P99 = 0.99
 CHECK_ERRORS, CHECK_LATENCY = "errors", "latency"
 
 
+def requests_expr(cfg: RulesConfig) -> str:
+    return f"sum by ({promql.MODEL_VERSION}) (increase({promql.requests()}[{cfg.canary_window}]))"
+
+
 def error_ratio_expr(cfg: RulesConfig) -> str:
-    mv, w = promql.MODEL_VERSION, cfg.canary_window
+    """Server errors / requests over the window; the requests are ``requests_expr`` recorded
+    just before (read twice here, as the zeros and the denominator, without reading every
+    pod's counters twice)."""
+    mv, w, total = promql.MODEL_VERSION, cfg.canary_window, c.REC_CANARY_REQUESTS
     errors = f"sum by ({mv}) (increase({promql.requests(c.OUTCOME_SERVER_ERROR)}[{w}]))"
-    total = f"sum by ({mv}) (increase({promql.requests()}[{w}]))"
     return f"(\n  {errors}\n  or\n  0 * {total}\n)\n/\n({total} >= {cfg.canary_min_requests})"
 
 
@@ -75,6 +81,7 @@ def group(cfg: RulesConfig) -> dict:
     return {
         "name": NAME,
         "rules": [
+            {"record": c.REC_CANARY_REQUESTS, "expr": requests_expr(cfg)},
             {"record": c.REC_CANARY_ERROR_RATIO, "expr": error_ratio_expr(cfg)},
             {
                 "record": c.REC_CANARY_LATENCY_QUANTILE,
