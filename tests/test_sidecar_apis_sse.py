@@ -130,3 +130,43 @@ def test_recorded_vllm_streams_byte_by_byte(path: Path) -> None:
     for cut in range(0, len(raw), 7):
         assert parse([raw[:cut], raw[cut:]])[0] == whole
     assert parse([raw.replace(b"\n", b"\r\n")])[0] == whole
+
+
+# Whole "data: X" events after the stream's first line take the parser's short path: each must
+# give what the line by line path gives for the same bytes.
+AFTER_FIRST = [
+    b"data: a\n\n",
+    b"data: a\n\ndata: b\n\ndata: {}\n\n",  # several events in one read (vLLM bursts)
+    b"data: \n\n",
+    b"data:a\n\n",  # no space: not the short path's shape
+    b"data: a\ndata: b\n\n",
+    b"data: a\n\n\n\n",
+    b"data: a\n\n: ping\n\n",
+    b"\n\n",
+    b"data: a\r\n\r\n",
+    b"data: a\n\ndata: b\r\n\r\n",
+    b"event: delta\ndata: a\n\n",
+    b"id: 9\ndata: a\n\n",
+    b"data: \xef\xbb\xbfa\n\n",  # a byte order mark past the first line is data
+    "data: é€😀\n\n".encode(),
+]
+
+
+@pytest.mark.parametrize("raw", AFTER_FIRST)
+@pytest.mark.parametrize("before", [b"data: w\n\n", b"id: 7\n\n", b"event: e\n", b"data: w\n", b"data: w\r"])
+def test_whole_events_after_the_first_line_match_the_line_by_line_path(raw: bytes, before: bytes) -> None:
+    stream = b": first\n" + before + raw
+    want, _ = parse([stream[i : i + 1] for i in range(len(stream))])  # the line by line path
+    events, parser = parse([b": first\n", before, raw])
+    assert events == want and parser.errors == 0
+    parser = SSEParser()
+    data = [d for chunk in (b": first\n", before, raw) for d in parser.feed_data(chunk)]
+    assert data == [e.data for e in want]
+
+
+def test_the_short_path_keeps_the_limits() -> None:
+    event = b"data: " + b"z" * 26 + b"\n\n"
+    for max_line, max_event, errors in ((32, 1024, 0), (31, 1024, 2), (1024, 27, 0), (1024, 26, 2)):
+        events, parser = parse([b": first\n", event + event], max_line=max_line, max_event=max_event)
+        assert parser.errors == errors, (max_line, max_event)
+        assert events == ([] if errors else [Event(b"z" * 26)] * 2)

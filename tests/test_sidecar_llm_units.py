@@ -13,6 +13,7 @@ from prometheus_client import CollectorRegistry
 from inferwatch import contract as c
 from inferwatch.spec import load_spec
 from sidecar.apis import routes
+from sidecar.apis.hooks import StreamEnd
 from sidecar.config import SidecarConfig
 from sidecar.core.streams import StreamTelemetry
 from sidecar.core.telemetry import Telemetry
@@ -163,3 +164,29 @@ def test_no_observer_for_error_statuses_or_the_model_list() -> None:
     st.response_body(b'{"error": {"message": "no such model", "code": 404}}')
     assert st.close(True) is None
     assert streams.begin(routes.MODELS, tel.begin("", "", c.PROTOCOL_HTTP)) is None
+
+
+def test_every_gap_is_observed_at_most_a_second_late_and_all_at_the_end() -> None:
+    registry, tel, streams = _parts()
+    tel.update_models({"tiny_stream": ["1"]})
+    req = tel.begin("tiny_stream", "1", c.PROTOCOL_HTTP)
+    st = streams.begin(routes.classify(b"/v2/models/tiny_stream/versions/1/generate_stream"), req)
+    assert st is not None
+    hist = {"model": "tiny_stream", "version": "1"}
+
+    def observed() -> tuple[float, float]:
+        name = c.INTER_TOKEN_LATENCY.name
+        return _value(registry, name + "_count", **hist), round(_value(registry, name + "_sum", **hist), 6)
+
+    t = 100.0
+    st.on_first_token(t, 1)
+    for gap in (0.25, 0.25, 0.25):  # 0.75 s after the first token: may wait
+        t += gap
+        st.on_token(t, 1, gap)
+    t += 0.25
+    st.on_token(t, 1, 0.25)  # a second after the first token: every gap so far is observed
+    assert observed() == (4, 1.0)
+    t += 0.5
+    st.on_token(t, 1, 0.5)
+    st.on_end(StreamEnd(completion_tokens=6))  # the end observes the rest
+    assert observed() == (5, 1.5)

@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import json
 
-from .hooks import Hooks, Stream, StreamEnd
+from .hooks import Hooks, Stream, StreamEnd, loads
 from .sse import SSEParser
 
 _DONE = b"[DONE]"
@@ -75,13 +75,14 @@ def _tokens(choice: dict) -> tuple[int, bool]:
 class OpenAIAnswer:
     """Observer of one OpenAI-compatible answer; see the module docstring."""
 
-    __slots__ = ("_body", "_done", "_max_body", "_sse", "_stream", "streamed")
+    __slots__ = ("_body", "_done", "_end", "_max_body", "_sse", "_stream", "streamed")
 
     def __init__(
         self, hooks: Hooks, streamed: bool, max_body: int = 4 * 1024 * 1024, sse: SSEParser | None = None
     ) -> None:
         self.streamed = streamed
         self._stream = Stream(hooks, streamed)
+        self._end = self._stream.end
         self._sse = sse or SSEParser()
         self._done = False
         self._body: bytearray | None = None if streamed else bytearray()
@@ -90,7 +91,7 @@ class OpenAIAnswer:
     @property
     def end(self) -> StreamEnd:
         """The figures so far (final after ``finish``)."""
-        return self._stream.end
+        return self._end
 
     @property
     def ended(self) -> bool:
@@ -113,28 +114,28 @@ class OpenAIAnswer:
             return
         sse = self._sse
         errors = sse.errors
-        for event in sse.feed(chunk):
-            self._event(event.data, t)
+        for data in sse.feed_data(chunk):
+            self._event(data, t)
             if self._done:
                 break
         if sse.errors != errors:
-            self.end.parse_error = sse.error
+            self._end.parse_error = sse.error
 
     def _event(self, data: bytes, t: float) -> None:
-        end = self.end
+        end = self._end
         end.events += 1
         if data == _DONE:
             self._done = True
             return
         try:
-            obj = json.loads(data)
+            obj = loads(data)
         except (ValueError, RecursionError):  # RecursionError: nested too deep for json
             end.parse_error = "an event that is not JSON"
             return
         if not isinstance(obj, dict):
             end.parse_error = "an event that is not a JSON object"
             return
-        if self._error(obj):
+        if ("error" in obj or obj.get("object") == "error") and self._error(obj):
             return
         choices = obj.get("choices")
         if choices:
@@ -161,7 +162,7 @@ class OpenAIAnswer:
         if not isinstance(usage, dict):
             return
         prompt, completion = usage.get("prompt_tokens"), usage.get("completion_tokens")
-        end = self.end
+        end = self._end
         if type(prompt) is int:  # not bool
             end.prompt_tokens = prompt
         if type(completion) is int:
@@ -179,7 +180,7 @@ class OpenAIAnswer:
             message, code = obj.get("message"), obj.get("code")
         else:
             return False
-        end = self.end
+        end = self._end
         end.error = str(message) if message is not None else "error"
         if isinstance(code, int):
             end.error_code = code

@@ -2,9 +2,11 @@
 
 ``SSEParser.feed(chunk)`` takes whatever bytes arrived, split anywhere (inside a field name, between
 the CR and the LF of a CRLF, inside a UTF-8 character or the byte order mark), and returns the
-events that chunk completed. State between calls is the current line's bytes (capped at
-``max_line``), the data lines of the one event under construction (capped at ``max_event``), its
-event type and the last event id: never the stream.
+events that chunk completed (``feed_data(chunk)``: only their data, which is all the observers
+read). State between calls is the current line's bytes (capped at ``max_line``), the data lines
+of the one event under construction (capped at ``max_event``), its event type and the last event
+id: never the stream. Whole one-line ``data:`` events with LF ends, the shape of every engine's
+token stream, take a short path with the same result.
 
 Rules (https://html.spec.whatwg.org/multipage/server-sent-events.html#event-stream-interpretation):
 lines end with CRLF, LF or CR; a blank line dispatches the event; a line starting with ``:`` is a
@@ -40,6 +42,7 @@ class SSEParser:
         "_data_len",
         "_discard",
         "_event",
+        "_fast_max",
         "_first",
         "_last_id",
         "_line",
@@ -65,9 +68,54 @@ class SSEParser:
         self._discard = False  # dropping an over-long event up to its blank line
         self.errors = 0
         self.error: str | None = None
+        # The longest "data: ..." line the fast path takes: within both limits.
+        self._fast_max = min(max_line, max_event + 5)
 
     def feed(self, chunk: bytes) -> list[Event]:
         """The events ``chunk`` completed (usually none or one), in order."""
+        data = self._whole(chunk)
+        if data is not None:
+            last_id = self._last_id
+            return [Event(d, "message", last_id) for d in data]
+        return self._lines(chunk)
+
+    def feed_data(self, chunk: bytes) -> list[bytes]:
+        """The data of the events ``chunk`` completed: ``[e.data for e in feed(chunk)]``, for a
+        reader that needs no event names or ids (the observers), without building the events."""
+        data = self._whole(chunk)
+        if data is not None:
+            return data
+        return [e.data for e in self._lines(chunk)]
+
+    def _whole(self, chunk: bytes) -> list[bytes] | None:
+        """The short path, for the shape of every engine's token stream: ``chunk`` is whole
+        one-line ``data: X`` events with LF ends, and nothing is pending. Their data, the same as
+        the line by line path gives, with a tenth of its work; None when ``chunk`` is not so."""
+        if (
+            chunk[-2:] != b"\n\n"
+            or self._line
+            or self._data
+            or self._event
+            or self._skip_lf
+            or self._first
+            or self._long
+            or self._discard
+            or b"\r" in chunk
+        ):
+            return None
+        limit = self._fast_max
+        if chunk.find(b"\n") == len(chunk) - 2:  # one event: the usual read
+            if chunk[:6] == b"data: " and len(chunk) - 2 <= limit:
+                return [chunk[6:-2]]
+            return None
+        data = []
+        for piece in chunk[:-2].split(b"\n\n"):
+            if piece[:6] != b"data: " or len(piece) > limit or b"\n" in piece:
+                return None
+            data.append(piece[6:])
+        return data
+
+    def _lines(self, chunk: bytes) -> list[Event]:
         if not chunk:
             return []
         if self._skip_lf:

@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import json
 
-from .hooks import Hooks, Stream, StreamEnd
+from .hooks import Hooks, Stream, StreamEnd, loads
 from .sse import SSEParser
 
 TEXT_OUTPUT = "text_output"
@@ -36,13 +36,14 @@ TEXT_OUTPUT = "text_output"
 class TritonGenerateAnswer:
     """Observer of one ``generate`` or ``generate_stream`` answer; see the module docstring."""
 
-    __slots__ = ("_body", "_max_body", "_named", "_sse", "_stream", "streamed")
+    __slots__ = ("_body", "_end", "_max_body", "_named", "_sse", "_stream", "streamed")
 
     def __init__(
         self, hooks: Hooks, streamed: bool, max_body: int = 4 * 1024 * 1024, sse: SSEParser | None = None
     ) -> None:
         self.streamed = streamed
         self._stream = Stream(hooks, streamed)
+        self._end = self._stream.end
         self._sse = sse or SSEParser()
         self._named = False
         self._body: bytearray | None = None if streamed else bytearray()
@@ -50,7 +51,7 @@ class TritonGenerateAnswer:
 
     @property
     def end(self) -> StreamEnd:
-        return self._stream.end
+        return self._end
 
     @property
     def ended(self) -> bool:
@@ -70,19 +71,25 @@ class TritonGenerateAnswer:
             return
         sse = self._sse
         errors = sse.errors
-        for event in sse.feed(chunk):
-            self.end.events += 1
-            obj = self._object(event.data)
-            if obj is not None and not self._error(obj):
+        end = self._end
+        for data in sse.feed_data(chunk):
+            end.events += 1
+            obj = self._object(data)
+            if obj is None:
+                continue
+            if obj.get("error") is not None:
+                self._error(obj)
+                continue
+            if not self._named:
                 self._name(obj)
-                if obj.get(TEXT_OUTPUT):
-                    self._stream.content(t, 1)
+            if obj.get(TEXT_OUTPUT):
+                self._stream.content(t, 1)
         if sse.errors != errors:
-            self.end.parse_error = sse.error
+            end.parse_error = sse.error
 
     def _object(self, data: bytes) -> dict | None:
         try:
-            obj = json.loads(data)
+            obj = loads(data)
         except (ValueError, RecursionError):  # RecursionError: nested too deep for json
             obj = None
         if not isinstance(obj, dict):

@@ -17,8 +17,12 @@ calls, never an API's format::
 Per request, ``StreamExchange`` is the API module's hooks (``sidecar.apis.hooks``): TTFT at the
 first content event (from the request's first byte in), one inter-token observation per content
 event, TPOT and the prompt/generation tokens at the end, all on the request's pre-resolved
-series. The model label of an OpenAI request comes from its body (``relabel`` when the scanner
-reads it); a served name the fleet spec maps (``served_names``) becomes its model and version.
+series. The gaps are kept in a list and observed together at most ``GAP_FLUSH_S`` after the first
+of them and at the stream's end: every gap is counted, a scrape sees it at most that late, and a
+token costs a list append instead of a histogram observation in a cold cache (a stream wakes the
+process once per token). The model label of an OpenAI request comes from its body (``relabel``
+when the scanner reads it); a served name the fleet spec maps (``served_names``) becomes its model
+and version.
 
 Outcomes beyond the status code: an error event in a 2xx answer, or a stream cut by the
 upstream (an OpenAI stream without ``data: [DONE]``), is a ``server_error``; a client that left
@@ -42,6 +46,7 @@ if TYPE_CHECKING:
     from sidecar.core.telemetry import Request, Telemetry, _Series
 
 _SERVER = contract.OUTCOME_SERVER_ERROR
+GAP_FLUSH_S = 1.0  # inter-token gaps wait at most this long before they are observed
 _NO_LABEL = (contract.MODEL_OVERFLOW, contract.MODEL_NONE)
 
 
@@ -152,7 +157,7 @@ class StreamTelemetry:
 class StreamExchange:
     """One generative request: the API module's hooks and what the transport feeds it."""
 
-    __slots__ = ("answer", "api", "client_left", "req", "scan", "st")
+    __slots__ = ("answer", "api", "client_left", "flush_at", "gaps", "req", "scan", "st")
 
     def __init__(self, st: StreamTelemetry, api: Any, req: Request) -> None:
         self.st = st
@@ -161,6 +166,8 @@ class StreamExchange:
         self.scan = api.model_scan() if api is not None else None
         self.answer: Any = None
         self.client_left = False
+        self.gaps: list[float] = []  # inter-token gaps not yet observed
+        self.flush_at = 0.0  # when they are observed, if the stream has not ended before
 
     # -- fed by the transport
     def request_body(self, chunk: bytes) -> None:
@@ -226,6 +233,7 @@ class StreamExchange:
             self.st.telemetry.relabel(req, model, version)
 
     def on_first_token(self, t: float, n: int) -> None:
+        self.flush_at = t + GAP_FLUSH_S
         req = self.req
         ttft = self.st.series(req.series).ttft
         span = req.span
@@ -237,9 +245,20 @@ class StreamExchange:
         ttft.observe(t - req.start)
 
     def on_token(self, t: float, n: int, gap: float) -> None:
-        self.st.series(self.req.series).itl.observe(gap)
+        self.gaps.append(gap)
+        if t >= self.flush_at:
+            self._observe_gaps(t)
+
+    def _observe_gaps(self, t: float) -> None:
+        itl = self.st.series(self.req.series).itl
+        for gap in self.gaps:
+            itl.observe(gap)
+        self.gaps.clear()
+        self.flush_at = t + GAP_FLUSH_S
 
     def on_end(self, end: StreamEnd) -> None:
+        if self.gaps:
+            self._observe_gaps(0.0)
         req = self.req
         s = self.st.series(req.series)
         if end.prompt_tokens:
