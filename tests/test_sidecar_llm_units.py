@@ -8,12 +8,12 @@ import time
 from pathlib import Path
 
 import pytest
-from prometheus_client import CollectorRegistry
+from prometheus_client import CollectorRegistry, Histogram, generate_latest
+from prometheus_client.openmetrics import exposition as openmetrics
 
 from inferwatch import contract as c
 from inferwatch.spec import load_spec
 from sidecar.apis import routes
-from sidecar.apis.hooks import StreamEnd
 from sidecar.config import SidecarConfig
 from sidecar.core.streams import StreamTelemetry
 from sidecar.core.telemetry import Telemetry
@@ -166,27 +166,30 @@ def test_no_observer_for_error_statuses_or_the_model_list() -> None:
     assert streams.begin(routes.MODELS, tel.begin("", "", c.PROTOCOL_HTTP)) is None
 
 
-def test_every_gap_is_observed_at_most_a_second_late_and_all_at_the_end() -> None:
+def test_the_inter_token_histogram_exposes_what_prometheus_clients_would() -> None:
+    # The gaps' histogram keeps plain numbers (sidecar.core.streams.GapHistograms): its scrape must
+    # read as prometheus_client's Histogram with the same buckets and observations, in both formats.
     registry, tel, streams = _parts()
+    reference = CollectorRegistry()
+    m = c.INTER_TOKEN_LATENCY
+    buckets = streams.itl.bounds
+    hist = Histogram(m.name, m.help, m.labels, registry=reference, buckets=buckets, unit=m.unit)
+    gaps = [0.0, buckets[0], buckets[0] * 1.5, buckets[3], 0.04, 0.04, 7.0, 1e9]
     tel.update_models({"tiny_stream": ["1"]})
     req = tel.begin("tiny_stream", "1", c.PROTOCOL_HTTP)
     st = streams.begin(routes.classify(b"/v2/models/tiny_stream/versions/1/generate_stream"), req)
     assert st is not None
-    hist = {"model": "tiny_stream", "version": "1"}
-
-    def observed() -> tuple[float, float]:
-        name = c.INTER_TOKEN_LATENCY.name
-        return _value(registry, name + "_count", **hist), round(_value(registry, name + "_sum", **hist), 6)
-
     t = 100.0
     st.on_first_token(t, 1)
-    for gap in (0.25, 0.25, 0.25):  # 0.75 s after the first token: may wait
+    for i, gap in enumerate(gaps):
         t += gap
         st.on_token(t, 1, gap)
-    t += 0.25
-    st.on_token(t, 1, 0.25)  # a second after the first token: every gap so far is observed
-    assert observed() == (4, 1.0)
-    t += 0.5
-    st.on_token(t, 1, 0.5)
-    st.on_end(StreamEnd(completion_tokens=6))  # the end observes the rest
-    assert observed() == (5, 1.5)
+        hist.labels("tiny_stream", "1").observe(gap)
+        # Each gap counts at once, not at the stream's end.
+        assert _value(registry, m.name + "_count", model="tiny_stream", version="1") == i + 1
+    hist.labels("tiny-llm", "1")  # a label set with nothing observed yet shows too
+    streams.series(tel.begin("tiny-llm", "1", c.PROTOCOL_HTTP).series)
+    for fmt in (generate_latest, openmetrics.generate_latest):
+        ours = [ln for ln in fmt(registry).decode().splitlines() if m.name in ln]
+        want = [ln for ln in fmt(reference).decode().splitlines() if m.name in ln and "_created" not in ln]
+        assert ours == want

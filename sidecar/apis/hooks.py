@@ -26,17 +26,16 @@ _scan = json.JSONDecoder().scan_once
 
 def loads(data: bytes) -> Any:
     """``json.loads(data)``, the same result or error, without its per-call Python layers
-    (encoding detection, whitespace regexes) for the usual event: UTF-8, starting with ``{``
-    or ``[``, nothing after the value. Anything else goes to ``json.loads`` itself."""
-    if data[:1] in (b"{", b"[") and data[1:2] not in (b"", b"\0"):  # what json reads as UTF-8
+    (encoding detection, whitespace regexes) for the usual event: a UTF-8 object with nothing
+    around it. Anything else goes to ``json.loads`` itself."""
+    if data[:1] == b"{" and data[1:2] != b"\0":  # an object, in what json reads as UTF-8
         try:
             text = data.decode("utf-8", "surrogatepass")
             obj, end = _scan(text, 0)
-        except Exception:  # json.loads below raises what json raises
-            pass
-        else:
             if end == len(text):
                 return obj
+        except Exception:  # json.loads below raises what json raises
+            pass
     return json.loads(data)
 
 

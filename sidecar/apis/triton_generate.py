@@ -31,6 +31,7 @@ from .hooks import Hooks, Stream, StreamEnd, loads
 from .sse import SSEParser
 
 TEXT_OUTPUT = "text_output"
+_NOT_OBJECT = "an answer that is not a JSON object"
 
 
 class TritonGenerateAnswer:
@@ -74,8 +75,12 @@ class TritonGenerateAnswer:
         end = self._end
         for data in sse.feed_data(chunk):
             end.events += 1
-            obj = self._object(data)
-            if obj is None:
+            try:  # _object, inline: once per token
+                obj = loads(data)
+            except (ValueError, RecursionError):
+                obj = None
+            if type(obj) is not dict:
+                end.parse_error = _NOT_OBJECT
                 continue
             if obj.get("error") is not None:
                 self._error(obj)
@@ -93,7 +98,7 @@ class TritonGenerateAnswer:
         except (ValueError, RecursionError):  # RecursionError: nested too deep for json
             obj = None
         if not isinstance(obj, dict):
-            self.end.parse_error = "an answer that is not a JSON object"
+            self.end.parse_error = _NOT_OBJECT
             return None
         return obj
 

@@ -10,19 +10,20 @@ calls, never an API's format::
     hooks = streams.token_stream(req)       # or: a transport that counts the tokens (gRPC streams)
     st.request_body(chunk)                  # each body chunk as it goes upstream: the model, when in the body
     st.request_end()
-    st.response_head(status, headers)       # picks the answer's observer (2xx only)
-    st.response_body(chunk)                 # each answer chunk as it goes to the client
+    feed = st.response_head(status, headers)    # picks the answer's observer (2xx only), or None
+    feed(chunk, time.perf_counter())        # each answer chunk as it goes to the client (or
+    st.response_body(chunk)                 #   this, which reads the clock itself)
     outcome = st.close(complete, client_left)   # before telemetry.end: None, or server_error
 
 Per request, ``StreamExchange`` is the API module's hooks (``sidecar.apis.hooks``): TTFT at the
 first content event (from the request's first byte in), one inter-token observation per content
 event, TPOT and the prompt/generation tokens at the end, all on the request's pre-resolved
-series. The gaps are kept in a list and observed together at most ``GAP_FLUSH_S`` after the first
-of them and at the stream's end: every gap is counted, a scrape sees it at most that late, and a
-token costs a list append instead of a histogram observation in a cold cache (a stream wakes the
-process once per token). The model label of an OpenAI request comes from its body (``relabel``
-when the scanner reads it); a served name the fleet spec maps (``served_names``) becomes its model
-and version.
+series. The inter-token histogram, the one metric observed per token, is ``GapHistogram``: its
+buckets and sum are plain numbers that a collector reads at scrape time, so a token costs a
+bisect and two additions (prometheus_client's ``observe`` takes a lock per bucket and for the
+sum: a hundred bytecodes, paid in a cold cache since a stream wakes the process once per token).
+The model label of an OpenAI request comes from its body (``relabel`` when the scanner reads it);
+a served name the fleet spec maps (``served_names``) becomes its model and version.
 
 Outcomes beyond the status code: an error event in a 2xx answer, or a stream cut by the
 upstream (an OpenAI stream without ``data: [DONE]``), is a ``server_error``; a client that left
@@ -31,11 +32,15 @@ keeps its 499 (``client_error``) with the tokens it received counted.
 
 from __future__ import annotations
 
+import math
 import time
-from collections.abc import Callable
+from bisect import bisect_left
+from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client.core import HistogramMetricFamily
+from prometheus_client.utils import floatToGoString
 
 from inferwatch import contract
 from inferwatch.spec import token_latency_buckets
@@ -46,8 +51,64 @@ if TYPE_CHECKING:
     from sidecar.core.telemetry import Request, Telemetry, _Series
 
 _SERVER = contract.OUTCOME_SERVER_ERROR
-GAP_FLUSH_S = 1.0  # inter-token gaps wait at most this long before they are observed
 _NO_LABEL = (contract.MODEL_OVERFLOW, contract.MODEL_NONE)
+
+
+class GapHistogram:
+    """One label set of ``GapHistograms``: what prometheus_client's histogram child keeps (a count
+    per bucket, the sum), as plain numbers. Only the event loop's thread writes them."""
+
+    __slots__ = ("bounds", "counts", "sum")
+
+    def __init__(self, bounds: tuple[float, ...]) -> None:
+        self.bounds = bounds  # upper bounds, +Inf last
+        self.counts = [0] * len(bounds)  # per bucket, not cumulative
+        self.sum = 0.0
+
+    def observe(self, value: float) -> None:
+        """As ``Histogram.observe``: the first bucket whose bound is >= ``value``."""
+        self.counts[bisect_left(self.bounds, value)] += 1
+        self.sum += value
+
+
+class GapHistograms:
+    """A histogram metric whose children are ``GapHistogram``: the same exposition as
+    ``prometheus_client.Histogram`` (buckets, ``_count``, ``_sum``), built at each scrape."""
+
+    def __init__(
+        self, metric: contract.Metric, buckets: tuple[float, ...], registry: CollectorRegistry
+    ) -> None:
+        self.metric = metric
+        bounds = tuple(sorted(float(b) for b in buckets))
+        self.bounds = bounds if bounds and bounds[-1] == math.inf else (*bounds, math.inf)
+        self.les = tuple(floatToGoString(b) for b in self.bounds)
+        self.children: dict[tuple[str, ...], GapHistogram] = {}
+        registry.register(self)
+
+    def labels(self, *values: str) -> GapHistogram:
+        child = self.children.get(values)
+        if child is None:
+            child = self.children[values] = GapHistogram(self.bounds)
+        return child
+
+    def _family(self) -> HistogramMetricFamily:
+        m = self.metric
+        return HistogramMetricFamily(m.name, m.help, labels=m.labels, unit=m.unit or "")
+
+    def describe(self) -> list[HistogramMetricFamily]:
+        return [self._family()]
+
+    def collect(self) -> Iterator[HistogramMetricFamily]:
+        family = self._family()
+        for values, child in list(self.children.items()):  # the loop thread may add one meanwhile
+            counts = list(child.counts)
+            total = 0
+            buckets = []
+            for le, n in zip(self.les, counts, strict=True):
+                total += n
+                buckets.append((le, float(total)))
+            family.add_metric(values, buckets, child.sum)
+        yield family
 
 
 class _LLMSeries:
@@ -87,7 +148,7 @@ class StreamTelemetry:
 
         self.ttft = hist(c.TIME_TO_FIRST_TOKEN, ttft_buckets)
         self.tpot = hist(c.TIME_PER_OUTPUT_TOKEN, tpot_buckets)
-        self.itl = hist(c.INTER_TOKEN_LATENCY, tpot_buckets)
+        self.itl = GapHistograms(c.INTER_TOKEN_LATENCY, tpot_buckets, registry)
         self.tokens = Counter(
             c.TOKENS_TOTAL.name, c.TOKENS_TOTAL.help, c.TOKENS_TOTAL.labels, registry=registry
         )
@@ -157,7 +218,7 @@ class StreamTelemetry:
 class StreamExchange:
     """One generative request: the API module's hooks and what the transport feeds it."""
 
-    __slots__ = ("answer", "api", "client_left", "flush_at", "gaps", "req", "scan", "st")
+    __slots__ = ("answer", "api", "client_left", "req", "scan", "st")
 
     def __init__(self, st: StreamTelemetry, api: Any, req: Request) -> None:
         self.st = st
@@ -166,8 +227,6 @@ class StreamExchange:
         self.scan = api.model_scan() if api is not None else None
         self.answer: Any = None
         self.client_left = False
-        self.gaps: list[float] = []  # inter-token gaps not yet observed
-        self.flush_at = 0.0  # when they are observed, if the stream has not ended before
 
     # -- fed by the transport
     def request_body(self, chunk: bytes) -> None:
@@ -193,15 +252,20 @@ class StreamExchange:
         if req.span is not None:
             req.span.set_attribute("gen_ai.request.model", name)
 
-    def response_head(self, status: int, headers: list[tuple[bytes, bytes]]) -> None:
+    def response_head(
+        self, status: int, headers: list[tuple[bytes, bytes]]
+    ) -> Callable[[bytes, float], None] | None:
+        """Pick the answer's observer; returns its ``feed(chunk, t)`` for the transport to call
+        per body chunk (one call less per token than ``response_body``), or None."""
         if not 200 <= status < 300:
-            return  # the status tells the outcome; an error body has no tokens
+            return None  # the status tells the outcome; an error body has no tokens
         ctype = ""
         for name, value in headers:
             if len(name) == 12 and name.lower() == b"content-type":
                 ctype = value.decode("latin-1")
                 break
-        self.answer = self.api.answer(self, ctype)
+        self.answer = answer = self.api.answer(self, ctype)
+        return answer.feed if answer is not None else None
 
     def response_body(self, chunk: bytes) -> None:
         answer = self.answer
@@ -233,7 +297,6 @@ class StreamExchange:
             self.st.telemetry.relabel(req, model, version)
 
     def on_first_token(self, t: float, n: int) -> None:
-        self.flush_at = t + GAP_FLUSH_S
         req = self.req
         ttft = self.st.series(req.series).ttft
         span = req.span
@@ -245,20 +308,15 @@ class StreamExchange:
         ttft.observe(t - req.start)
 
     def on_token(self, t: float, n: int, gap: float) -> None:
-        self.gaps.append(gap)
-        if t >= self.flush_at:
-            self._observe_gaps(t)
-
-    def _observe_gaps(self, t: float) -> None:
-        itl = self.st.series(self.req.series).itl
-        for gap in self.gaps:
-            itl.observe(gap)
-        self.gaps.clear()
-        self.flush_at = t + GAP_FLUSH_S
+        series = self.req.series
+        llm = series.llm
+        if llm is None:  # relabelled since the first token
+            llm = self.st.series(series)
+        itl = llm.itl  # GapHistogram.observe, inline: once per token
+        itl.counts[bisect_left(itl.bounds, gap)] += 1
+        itl.sum += gap
 
     def on_end(self, end: StreamEnd) -> None:
-        if self.gaps:
-            self._observe_gaps(0.0)
         req = self.req
         s = self.st.series(req.series)
         if end.prompt_tokens:

@@ -60,6 +60,8 @@ from sidecar.core.health import UpstreamHealth
 from sidecar.core.overload import http_answer
 
 if TYPE_CHECKING:
+    from collections.abc import Callable
+
     from sidecar.apis.charge import Charge
     from sidecar.apis.routes import Api
     from sidecar.config import SidecarConfig
@@ -209,6 +211,7 @@ class Exchange:
         "close_after",
         "deadline",
         "done",
+        "feed",
         "head_only",
         "hold",
         "llm",
@@ -245,6 +248,7 @@ class Exchange:
         self.version10 = False
         self.upstream: UpstreamConn | None = None
         self.llm: StreamExchange | None = None  # a generative route's observer (sidecar.core.streams)
+        self.feed: Callable[[bytes, float], None] | None = None  # its answer's reader, once it has one
         self.hold: Held | None = None  # an LLM request held for its token cost before admission
         self.out: list[bytes] = []
         self.req_bytes = 0
@@ -396,16 +400,7 @@ class Exchange:
         parts.append(b"\r\n")
         self.out.append(b"".join(parts))
         if self.llm is not None:
-            self.llm.response_head(status, headers)
-
-    def response_body(self, body: bytes) -> None:
-        self.resp_bytes += len(body)
-        if self.llm is not None:
-            self.llm.response_body(body)
-        if self.resp_chunked:
-            self.out.append(b"%x\r\n%b\r\n" % (len(body), body))
-        else:
-            self.out.append(body)
+            self.feed = self.llm.response_head(status, headers)
 
     def response_end(self) -> None:
         if self.resp_chunked:
@@ -550,7 +545,10 @@ class UpstreamConn(asyncio.Protocol):
         except httptools.HttpParserError:
             ex.fail(502)
             return
-        ex.flush_out()
+        out = ex.out  # flush_out, inline: each streamed token passes here
+        if out:
+            ex.client.transport.write(out[0] if len(out) == 1 else b"".join(out))
+            out.clear()
         if ex.resp_done and not ex.done:
             ex.finish(self.keepalive and not ex.head_only)
 
@@ -588,9 +586,17 @@ class UpstreamConn(asyncio.Protocol):
             ex.response_end()
 
     def on_body(self, body: bytes) -> None:
+        """A piece of the answer's body: to the client as it came (re-framed when chunked), and
+        to a generative route's observer with the time it passed. Each streamed token passes
+        here, so it is one function (a stream wakes the process per token, with cold caches)."""
         ex = self.ex
-        if ex is not None and not ex.head_only:
-            ex.response_body(body)
+        if ex is None or ex.head_only:
+            return
+        ex.resp_bytes += len(body)
+        feed = ex.feed
+        if feed is not None:
+            feed(body, time.perf_counter())
+        ex.out.append(b"%x\r\n%b\r\n" % (len(body), body) if ex.resp_chunked else body)
 
     def on_message_complete(self) -> None:
         ex = self.ex
