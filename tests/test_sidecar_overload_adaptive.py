@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 import tritonclient.grpc as tgrpc
+import tritonclient.http as thttp
 import yaml
 
 from inferwatch import contract
@@ -48,11 +49,13 @@ def wait_limit(sc, ok, what: str, seen: list) -> float:
         time.sleep(0.2)
 
 
-@pytest.mark.parametrize("engine", ["relay", "aio"])
+@pytest.mark.parametrize("engine", ["relay", "aio", "http"])
 def test_adaptive_limit_shrinks_under_injected_latency_and_grows_back(triton, tmp_path: Path, engine) -> None:
+    """``engine``: the gRPC engine the clients go through, or ``http``: the HTTP proxy (the
+    sidecar's default gRPC engine beside it, unused)."""
     limits = {
         "concurrency": START,
-        "queue": CLIENTS,  # the aio engine queues; the relay sheds at once (the clients back off)
+        "queue": CLIENTS,  # the aio engine and HTTP queue; the relay sheds at once (the clients back off)
         "queue_timeout_ms": 60_000,
         "adaptive": {"min": MIN, "max": MAX},
     }
@@ -66,17 +69,29 @@ def test_adaptive_limit_shrinks_under_injected_latency_and_grows_back(triton, tm
     lock = threading.Lock()
 
     with launch_sidecar(
-        triton.http_url, triton.grpc_url, tmp_path, "--spec", str(spec), "--grpc-engine", engine
+        triton.http_url,
+        triton.grpc_url,
+        tmp_path,
+        "--spec",
+        str(spec),
+        *(() if engine == "http" else ("--grpc-engine", engine)),
     ) as sc:
 
         def client() -> None:
-            c = tgrpc.InferenceServerClient(sc.grpc_url)
-            inp = tgrpc.InferInput("FEATURES", list(x.shape), "FP32")
+            api = thttp if engine == "http" else tgrpc
+            if engine == "http":
+                c = thttp.InferenceServerClient(sc.http_url, network_timeout=120.0)
+            else:
+                c = tgrpc.InferenceServerClient(sc.grpc_url)
+            inp = api.InferInput("FEATURES", list(x.shape), "FP32")
             inp.set_data_from_numpy(x)
             try:
                 while not stop.is_set():
                     try:
-                        c.infer("ranker", [inp], model_version="1", client_timeout=120)
+                        if engine == "http":
+                            c.infer("ranker", [inp], model_version="1")
+                        else:
+                            c.infer("ranker", [inp], model_version="1", client_timeout=120)
                         got = "OK"
                     except Exception as exc:  # tritonclient wraps the RpcError
                         got = str(getattr(exc, "status", lambda: None)())

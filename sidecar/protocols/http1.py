@@ -100,6 +100,7 @@ DRAIN_IDLE_GRACE = 1.0
 # a connection at the moment a request is written to it (a POST then could not be replayed).
 POOL_IDLE_SECONDS = 4.0
 SWEEP_INTERVAL = 0.25
+MAX_CACHED_ROUTES = 4096  # paths whose labels are cached: a flood of distinct URLs only costs re-parsing
 
 # Built once at import: status lines and status strings for every code.
 _PHRASES = {s.value: s.phrase for s in HTTPStatus}
@@ -1088,7 +1089,7 @@ class HttpProxy:
             model, version, route = labels_from_path(path, self.config.routes)
             api = self.streams.classify(path) if self.streams is not None else None
             hit = (model, version, route or (api.route if api is not None else ""), api)
-            if len(self._routes) >= 4096:  # bounded: a flood of distinct URLs only costs re-parsing
+            if len(self._routes) >= MAX_CACHED_ROUTES:
                 self._routes.clear()
             self._routes[path] = hit
         return hit
@@ -1098,7 +1099,13 @@ class HttpProxy:
             ex.waiting.cancel()
             ex.waiting = None
         elif ex.admitted is not None:
-            self.admission.release(ex.admitted)
+            # The adaptive limit learns from the time in the server: from going upstream
+            # (start() set the deadline then) to the end. Not for a generative route, whose
+            # time is the answer's length (as gRPC streams pass none).
+            latency = None
+            if ex.deadline and ex.llm is None:
+                latency = self.loop.time() - (ex.deadline - self.config.request_timeout)
+            self.admission.release(ex.admitted, latency)
             ex.admitted = None
         self.telemetry.end(ex.tel, code, outcome, ex.req_bytes, ex.resp_bytes)
 
