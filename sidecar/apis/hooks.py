@@ -20,6 +20,10 @@ import json
 from dataclasses import dataclass
 from typing import Any, Protocol
 
+# The most of a one-body answer (not a stream) an observer reads for its usage, finish reasons
+# or error: a larger body still passes to the client whole, recorded as unreadable.
+MAX_ANSWER_BODY = 4 * 1024 * 1024
+
 # The C scanner behind json.loads, with json.loads's default settings.
 _scan = json.JSONDecoder().scan_once
 

@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import json
 
-from .hooks import Hooks, Stream, StreamEnd, loads
+from .hooks import MAX_ANSWER_BODY, Hooks, Stream, StreamEnd, loads
 from .sse import SSEParser
 
 _DONE = b"[DONE]"
@@ -78,7 +78,7 @@ class OpenAIAnswer:
     __slots__ = ("_body", "_done", "_end", "_max_body", "_sse", "_stream", "streamed")
 
     def __init__(
-        self, hooks: Hooks, streamed: bool, max_body: int = 4 * 1024 * 1024, sse: SSEParser | None = None
+        self, hooks: Hooks, streamed: bool, max_body: int = MAX_ANSWER_BODY, sse: SSEParser | None = None
     ) -> None:
         self.streamed = streamed
         self._stream = Stream(hooks, streamed)

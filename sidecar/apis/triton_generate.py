@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import json
 
-from .hooks import Hooks, Stream, StreamEnd, loads
+from .hooks import MAX_ANSWER_BODY, Hooks, Stream, StreamEnd, loads
 from .sse import SSEParser
 
 TEXT_OUTPUT = "text_output"
@@ -40,7 +40,7 @@ class TritonGenerateAnswer:
     __slots__ = ("_body", "_end", "_max_body", "_named", "_sse", "_stream", "streamed")
 
     def __init__(
-        self, hooks: Hooks, streamed: bool, max_body: int = 4 * 1024 * 1024, sse: SSEParser | None = None
+        self, hooks: Hooks, streamed: bool, max_body: int = MAX_ANSWER_BODY, sse: SSEParser | None = None
     ) -> None:
         self.streamed = streamed
         self._stream = Stream(hooks, streamed)
