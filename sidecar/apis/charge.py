@@ -22,10 +22,26 @@ The cost, as the spec says ("prompt estimate + max_tokens"):
 - embeddings (``generates=False``): the prompt estimate only.
 
 A negative or zero value is charged as 0 generated tokens (the upstream refuses it anyway).
+
+The refund (``used``; the HTTP proxy calls ``Admission.refund`` once, at the exchange's end):
+the bucket gets back ``charged - used``, never negative (an answer longer than its charge is not
+charged more afterwards), the bucket never above its capacity. What a request used:
+
+- the answer's ``usage`` when it reported one: ``prompt_tokens + completion_tokens``;
+- else the prompt estimate + the generation tokens counted from its content events (a stream
+  that failed or was cut after 3 tokens used its prompt estimate + 3);
+- no answer body read (an error status, a timeout or a broken connection before the answer, a
+  client that left first): the prompt estimate, no tokens were delivered;
+- unknown, so the whole charge: a one-body answer without ``usage`` (Triton's ``generate``:
+  nothing to count) or an answer the observer could not read (``parse_error``).
+
+A request that never reached the server (shed by the queue, its client gone while it waited or
+connected, the connection refused) gets its whole charge back: it cost the server nothing.
 """
 
 from __future__ import annotations
 
+from .hooks import StreamEnd
 from .json_scan import OPENAI_FIELDS, BodyScanner, Outcome
 
 BYTES_PER_TOKEN = 4
@@ -69,7 +85,7 @@ class Charge:
 
     def tokens(self, body_bytes: int) -> int:
         """The cost: ceil(body_bytes / 4) + n * max tokens (see the module doc)."""
-        cost = -(-body_bytes // BYTES_PER_TOKEN)
+        cost = prompt_estimate(body_bytes)
         if not self.generates:
             return cost
         fields = self._scan.fields
@@ -78,3 +94,23 @@ class Charge:
             limit = fields.get("max_tokens", DEFAULT_MAX_TOKENS)
         n = fields.get("n", 1)
         return cost + min(_MAX_GENERATED, max(0, int(limit)) * max(1, int(n)))
+
+
+def prompt_estimate(body_bytes: int) -> int:
+    """The charge's prompt part: ceil(body_bytes / 4)."""
+    return -(-body_bytes // BYTES_PER_TOKEN)
+
+
+def used(charged: int, prompt: int, end: StreamEnd | None) -> int:
+    """What an admitted request that reached the server used of its charge ``charged``
+    (``prompt``: the charge's prompt estimate), from its answer's ``end`` (None: no answer body
+    was read). See the module doc; the refund is ``charged - used``, at least 0."""
+    if end is None:
+        return prompt
+    if end.parse_error is not None:
+        return charged  # the counts are partial: keep the charge
+    if end.usage_reported:
+        return (prompt if end.prompt_tokens is None else end.prompt_tokens) + (end.completion_tokens or 0)
+    if end.completion_tokens is None:
+        return charged  # a one-body answer without usage: nothing was counted
+    return prompt + end.completion_tokens

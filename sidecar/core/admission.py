@@ -15,7 +15,9 @@ same two calls, checked in this order after the global limit:
 - ``requests``: a token bucket, one token per request (reason ``requests``);
 - ``tokens``: a token bucket for LLM requests, ``tokens=`` prompt estimate + max_tokens
   (reason ``tokens``; ``sidecar.apis.charge`` computes it; a cost over the capacity takes the
-  whole bucket);
+  whole bucket). ``refund(model, charged, used)`` gives back, at an admitted request's end,
+  what it took and did not use; a request charged and then shed by the queue (full, timed out,
+  or its client left while it waited) gets its whole charge back: it never reached the server;
 - ``concurrency``: requests of the model in flight to the server; past it a request waits in the
   model's ``queue`` (FIFO) for at most ``queue_timeout_ms`` (reason ``queue_timeout``), or is shed
   at once when the queue is full (reason ``queue_full``).
@@ -95,6 +97,7 @@ class Waiting:
         self.gate = gate
         self.wake = wake
         self.handle: asyncio.TimerHandle | None = None
+        self.tokens = 0  # what its tokens bucket was charged, given back if it never gets a slot
 
     def cancel(self) -> None:
         if self.handle is not None:
@@ -103,7 +106,9 @@ class Waiting:
             try:
                 self.gate.queue.remove(self)
             except ValueError:
-                pass
+                return
+            if self.gate.tokens is not None:  # it never reached the server: the charge comes back
+                self.gate.tokens.give(self.tokens)
 
 
 class _Bucket:
@@ -123,6 +128,13 @@ class _Bucket:
             return True
         self.level = level
         return False
+
+    def give(self, tokens: float) -> None:
+        """Put back ``tokens`` (a refund), never above the capacity. No settling needed: for a
+        refill x >= 0 later, min(cap, min(cap, level + tokens) + x) == min(cap, level + tokens + x)."""
+        if tokens > 0:
+            level = self.level + tokens
+            self.level = level if level < self.capacity else self.capacity
 
 
 class _Gate:
@@ -342,17 +354,19 @@ class Admission:
             return self._refuse(gate, gate.r_requests)
         # A cost over the capacity takes the whole bucket: it passes when the bucket is full
         # rather than never.
-        if (
-            gate.tokens is not None
-            and tokens
-            and not gate.tokens.take(min(tokens, gate.tokens.capacity), now)
-        ):
-            return self._refuse(gate, gate.r_tokens)
+        taken = 0
+        if gate.tokens is not None and tokens:
+            taken = min(tokens, gate.tokens.capacity)
+            if not gate.tokens.take(taken, now):
+                return self._refuse(gate, gate.r_tokens)
         if gate.concurrency and gate.active >= gate.concurrency:
             gate.saturated = True  # adaptive: the limit is what held this request back
             if wake is None or len(gate.queue) >= gate.queue_cap:
+                if taken:
+                    gate.tokens.give(taken)  # type: ignore[union-attr]  # shed: it cost nothing
                 return self._refuse(gate, gate.r_full)
             waiting = Waiting(gate, wake)
+            waiting.tokens = taken
             waiting.handle = asyncio.get_running_loop().call_later(gate.queue_timeout, self._expire, waiting)
             gate.queue.append(waiting)
             return waiting
@@ -376,6 +390,19 @@ class Admission:
         self.active -= 1
         return self.acquire(model, tokens, wake)
 
+    def refund(self, model: str, charged: int, used: int) -> None:
+        """An admitted request of ``model`` that was charged ``charged`` tokens (``acquire``'s
+        ``tokens``) ended having used ``used``: its tokens bucket gets back what it took and
+        was not used, ``min(charged, capacity) - used`` (a cost over the capacity took the
+        capacity), never less than 0, the level never above the capacity. Once per request, at
+        its end (sidecar.apis.charge.used says what was used); a model without a tokens bucket
+        (or none any more after a reload) is left alone."""
+        if self._limits is None or model == contract.MODEL_NONE or charged <= 0:
+            return
+        bucket = self._gate(model).tokens  # type: ignore[union-attr]
+        if bucket is not None:
+            bucket.give((charged if charged < bucket.capacity else bucket.capacity) - used)
+
     def _refuse(self, gate: _Gate, refusal: Refusal) -> Refusal:
         if gate.shed is not None:
             gate.shed[refusal.reason].inc()
@@ -388,6 +415,8 @@ class Admission:
             gate.queue.remove(waiting)
         except ValueError:
             return
+        if gate.tokens is not None:
+            gate.tokens.give(waiting.tokens)  # shed: it never reached the server
         waiting.wake(self._refuse(gate, gate.r_timeout))
 
     def release(self, model: str = "", latency: float | None = None) -> None:

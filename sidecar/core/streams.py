@@ -218,7 +218,7 @@ class StreamTelemetry:
 class StreamExchange:
     """One generative request: the API module's hooks and what the transport feeds it."""
 
-    __slots__ = ("answer", "api", "client_left", "req", "scan", "st")
+    __slots__ = ("answer", "api", "client_left", "end", "req", "scan", "st")
 
     def __init__(self, st: StreamTelemetry, api: Any, req: Request) -> None:
         self.st = st
@@ -226,6 +226,7 @@ class StreamExchange:
         self.req = req
         self.scan = api.model_scan() if api is not None else None
         self.answer: Any = None
+        self.end: StreamEnd | None = None  # the answer's figures once closed (the tokens refund)
         self.client_left = False
 
     # -- fed by the transport
@@ -285,7 +286,7 @@ class StreamExchange:
             return None
         self.answer = None
         self.client_left = client_left
-        end = answer.finish(time.perf_counter(), complete)
+        end = self.end = answer.finish(time.perf_counter(), complete)
         if end.error is not None or (end.truncated and not client_left):
             return _SERVER
         return None

@@ -7,7 +7,8 @@ through chunk by chunk, never buffered whole: each read from one side becomes on
 to the other (head and first body bytes joined). One exception, only with per-model limits: an
 LLM request (an OpenAI route, or Triton's generate of a model with a ``tokens`` bucket) is held
 under the global limit until its body gives its model and token cost (``sidecar.apis.charge``,
-at most ``charge.WINDOW`` bytes), then admitted for its model (``ClientConn.decide``).
+at most ``charge.WINDOW`` bytes), then admitted for its model (``ClientConn.decide``); at its
+end (``HttpProxy.end``) the tokens bucket gets back what it was charged and did not use.
 Chunked bodies are re-framed chunk for chunk, so the bytes of a body (JSON or Triton's binary
 tensor extension) arrive unchanged.
 
@@ -54,7 +55,7 @@ from urllib.parse import unquote
 import httptools
 
 from inferwatch import contract
-from sidecar.apis.charge import WINDOW
+from sidecar.apis.charge import WINDOW, prompt_estimate, used
 from sidecar.core.admission import Admission, Refusal, Waiting
 from sidecar.core.health import UpstreamHealth
 from sidecar.core.overload import http_answer
@@ -207,6 +208,7 @@ class Exchange:
 
     __slots__ = (
         "admitted",
+        "charged",
         "chunked_req",
         "client",
         "close_after",
@@ -219,6 +221,8 @@ class Exchange:
         "out",
         "pending",
         "pending_size",
+        "prompt",
+        "reached",
         "replay",
         "req_bytes",
         "req_complete",
@@ -266,6 +270,9 @@ class Exchange:
         self.deadline = 0.0
         self.admitted: str | None = None  # the model it holds an admission slot for
         self.waiting: Waiting | None = None  # queued by a per-model limit (sidecar.core.admission)
+        self.charged = 0  # the tokens bucket's charge (decide), partly refunded at the end
+        self.prompt = 0  # its prompt estimate
+        self.reached = False  # given an upstream connection: the server may have seen it
 
     def woken(self, refusal: Refusal | None) -> None:
         """The admission queue's answer: a slot (start, if first in line) or shed."""
@@ -325,6 +332,7 @@ class Exchange:
 
     def attach(self, conn: UpstreamConn) -> None:
         self.upstream = conn
+        self.reached = True
         conn.ex = self
         if self.client.write_paused:
             conn.transport.pause_reading()
@@ -934,9 +942,13 @@ class ClientConn(asyncio.Protocol):
         name = charge.model
         if name is not None and not model:  # an OpenAI body's model; a served name maps to its model
             model = proxy.streams.served_name(name)[0]  # type: ignore[union-attr]
-        got = proxy.admission.transfer(model, charge.tokens(max(ex.req_bytes, hold.length)), ex.woken)
+        size = max(ex.req_bytes, hold.length)
+        cost = charge.tokens(size)
+        got = proxy.admission.transfer(model, cost, ex.woken)
         if got is None or type(got) is Waiting:
             ex.admitted = model
+            ex.charged = cost
+            ex.prompt = prompt_estimate(size)
             if got is not None:
                 ex.waiting = got  # type: ignore[assignment]
             elif self.exchanges and self.exchanges[0] is ex:
@@ -1105,6 +1117,11 @@ class HttpProxy:
             latency = None
             if ex.deadline and ex.llm is None:
                 latency = self.loop.time() - (ex.deadline - self.config.request_timeout)
+            if ex.charged:  # the tokens bucket gets back what was charged and not used
+                spent = 0  # never reached the server: it cost it nothing
+                if ex.reached:
+                    spent = used(ex.charged, ex.prompt, ex.llm.end if ex.llm is not None else None)
+                self.admission.refund(ex.admitted, ex.charged, spent)
             self.admission.release(ex.admitted, latency)
             ex.admitted = None
         self.telemetry.end(ex.tel, code, outcome, ex.req_bytes, ex.resp_bytes)
