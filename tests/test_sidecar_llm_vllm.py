@@ -441,10 +441,13 @@ def test_two_thousand_unknown_model_names_keep_the_labels_bounded(sidecar: Sidec
 def test_tokens_bucket_sheds_on_the_bodys_model_and_max_tokens(vllm: Upstream, tmp_path: Path) -> None:
     """Per-model limits on the OpenAI API (sidecar/README.md, "Overload protection"): the body is
     held until its model and max_tokens are read, so a tokens bucket of 3 requests' worth (and one
-    malformed body's, charged the default) admits 3 of a burst and sheds the rest with 429 reason
+    malformed body's prompt estimate) admits 3 of a burst and sheds the rest with 429 reason
     ``tokens``, the canary's served name included (its model's bucket); the official client sees a
-    RateLimitError. The malformed body gets vLLM's own answer, a body without a model is served as
-    before (global limit only), nothing stays in flight."""
+    RateLimitError. The malformed body, charged the default (over the capacity: the whole bucket),
+    gets vLLM's own answer (400, no tokens), then the refund gives back all but its prompt
+    estimate, the 3 requests' worth. (Each stream's refund, max_tokens - the tokens counted, is at
+    most 8 in all 3: less than a request.) A body without a model is served as before (global
+    limit only), nothing stays in flight."""
     import yaml
 
     from sidecar.apis.charge import DEFAULT_MAX_TOKENS
@@ -453,12 +456,14 @@ def test_tokens_bucket_sheds_on_the_bodys_model_and_max_tokens(vllm: Upstream, t
     body = json.dumps({"model": "tiny-llm", "messages": CHAT, "max_tokens": m, "stream": True}).encode()
     cost = -(-len(body) // 4) + m
     bad = b'{"model": "tiny-llm", "messages": ['  # names its model: charged, then refused by vLLM
-    bad_cost = -(-len(bad) // 4) + DEFAULT_MAX_TOKENS
+    bad_prompt = -(-len(bad) // 4)
+    capacity = 3 * cost + bad_prompt
+    assert bad_prompt + DEFAULT_MAX_TOKENS > capacity and 3 * m < cost
     llm = {
         "name": "tiny-llm",
         "latency_sla_ms": 30000,
         "served_names": {"tiny-llm": "1", "tiny-llm-canary": "2"},
-        "limits": {"tokens": {"capacity": 3 * cost + bad_cost, "fill_rate": 0.01}},
+        "limits": {"tokens": {"capacity": capacity, "fill_rate": 0.01}},
     }
     spec = tmp_path / "fleet.yaml"
     spec.write_text(yaml.safe_dump({"models": [llm]}))
