@@ -495,3 +495,28 @@ def test_twenty_sigterms_under_load_fail_no_request(triton, tmp_path: Path) -> N
     assert all(stopped["in_flight_left"] == 0 for _, stopped, _ in results), results
     failed = Counter(f for _, _, failures in results for f in failures)
     assert not failed, failed
+
+
+async def late_sweeper_scenario() -> Seen:
+    peer = Peer()
+    port = await peer.start()
+    config = SidecarConfig(upstream_http=("127.0.0.1", port), host="127.0.0.1", http_port=0)
+    proxy = await serve(config, Telemetry(CollectorRegistry(), config))
+    try:
+        await ask(proxy.port, POST)
+        assert len(proxy.pool) == 1
+        # A busy event loop (32 streams on two loaded cores did it): the sweeper does not run
+        # while the pooled connection passes its idle limit, and the upstream's keep-alive
+        # timeout may be closing it right now.
+        time.sleep(POOL_IDLE_SECONDS + 0.5)
+        await ask(proxy.port, POST)  # a new connection, whichever of sweeper or request runs first
+    finally:
+        await proxy.stop(1)
+        assert peer.server is not None
+        peer.server.close()
+    return peer.seen
+
+
+def test_a_connection_idle_past_the_limit_is_not_reused_when_the_sweeper_runs_late() -> None:
+    # Reused, the upstream could close it as the POST is written: a 502 the client cannot retry.
+    assert [conn for conn, _ in uvloop.run(late_sweeper_scenario())] == [0, 1]

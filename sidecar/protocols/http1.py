@@ -514,7 +514,7 @@ class UpstreamConn(asyncio.Protocol):
 
     def __init__(self, proxy: HttpProxy) -> None:
         self.proxy = proxy
-        self.pooled_at = 0  # the sweeper's tick when it last went into the pool
+        self.pooled_at = 0.0  # loop time when it last went into the pool
         self.transport: asyncio.Transport = None  # type: ignore[assignment]
         self.parser = httptools.HttpResponseParser(self)
         self.ex: Exchange | None = None
@@ -1077,7 +1077,6 @@ class HttpProxy:
         self.draining = False  # answers close their connections (SIGTERM arrived)
         self.stopped = False  # the drain is over: nothing goes back to the pool
         self.idle_until = 0.0  # once the listener closed: when idle connections close
-        self.ticks = 0  # sweeper rounds so far: a clock for the pool that costs nothing per request
         self.server: asyncio.AbstractServer | None = None
         self._routes: dict[bytes, tuple[str, str, str, Api | None]] = {}
         self._sweeper: asyncio.Task | None = None
@@ -1129,6 +1128,12 @@ class HttpProxy:
     # -- upstream pool
     def pool_get(self) -> UpstreamConn | None:
         pool = self.pool
+        if pool and self.loop.time() - pool[-1].pooled_at >= POOL_IDLE_SECONDS:
+            # The sweeper ran late (a busy loop): the newest is stale, so is every older one.
+            # Taken anyway, the upstream may close it as the request is written (a 502).
+            for conn in pool:
+                conn.transport.close()
+            pool.clear()
         while pool:
             conn = pool.pop()
             if not conn.closed and not conn.transport.is_closing():
@@ -1142,7 +1147,7 @@ class HttpProxy:
             conn.transport.close()
             return
         conn.transport.resume_reading()
-        conn.pooled_at = self.ticks
+        conn.pooled_at = self.loop.time()
         self.pool.append(conn)
 
     async def connect(self) -> UpstreamConn:
@@ -1157,14 +1162,12 @@ class HttpProxy:
         self.health.report(self.upstream_name, False, str(exc) or type(exc).__name__)
 
     async def _sweep(self) -> None:
-        idle_ticks = round(POOL_IDLE_SECONDS / SWEEP_INTERVAL)
         while True:
             await asyncio.sleep(SWEEP_INTERVAL)
-            self.ticks += 1
-            pool = self.pool  # LIFO: the longest idle are at the bottom
-            while pool and self.ticks - pool[0].pooled_at >= idle_ticks:
-                pool.pop(0).transport.close()
             now = self.loop.time()
+            pool = self.pool  # LIFO: the longest idle are at the bottom
+            while pool and now - pool[0].pooled_at >= POOL_IDLE_SECONDS:
+                pool.pop(0).transport.close()
             for conn in list(self.conns):
                 try:
                     conn.sweep(now)
