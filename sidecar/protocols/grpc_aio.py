@@ -23,7 +23,9 @@ Counting (one observation per request, each closed by exactly one ``Telemetry.en
 
 A call ``sidecar.core.admission`` refuses (past ``--max-in-flight`` requests in flight across the
 sidecar's protocols, or a per-model limit; a stream counts once, admitted on its first message
-under the model it names) gets one fixed, counted answer: RESOURCE_EXHAUSTED.
+under the model it names) gets one fixed, counted answer: RESOURCE_EXHAUSTED. A model with a
+``tokens`` bucket charges a ``ModelInfer`` call, and a stream's first message, what
+``sidecar.protocols.grpc_charge`` reads from that message.
 User documentation: ``sidecar/GRPC.md``.
 """
 
@@ -42,8 +44,10 @@ from sidecar.config import GRPC_ENGINES, SidecarConfig
 from sidecar.core.admission import Admission
 from sidecar.core.health import UpstreamHealth
 from sidecar.core.telemetry import UPSTREAM_GRPC
+from sidecar.protocols.grpc_charge import request_tokens
 from sidecar.protocols.grpc_methods import (
     EXTRA_UNARY_PATHS,
+    INFER_PATH,
     STREAM_FIELDS,
     STREAM_PATH,
     UNARY_PATHS,
@@ -227,15 +231,18 @@ class GrpcProxy:
             return handler
         name, outcome = self._codes[_EXHAUSTED]
         span_name, attributes = span_attributes(path)
+        charged = path == INFER_PATH  # a ModelInferRequest: what a tokens bucket charges
 
         async def limited(request: Any, context: grpc.aio.ServicerContext) -> Any:
             model, version = MODEL_NONE, ""  # no model named (yet), no version
+            tokens = 0
             if name_field and admission.per_model and isinstance(request, bytes):
-                try:
-                    model, version, _ = read_strings(request, name_field, version_field)
-                except WireError:
-                    pass
-            refusal = await admission.admit(model) if model else admission.acquire(MODEL_NONE)
+                # Partial: a message damaged after its name is limited (and charged) under
+                # that model, as the relay, which reads only a message's head, does.
+                model, version, _ = read_strings(request, name_field, version_field, partial=True)
+                if charged and model and admission.charges_tokens(model):
+                    tokens = request_tokens(request)
+            refusal = await admission.admit(model, tokens) if model else admission.acquire(MODEL_NONE)
             if refusal is not None:
                 if not model and name_field and isinstance(request, bytes):
                     try:
@@ -267,15 +274,20 @@ class GrpcProxy:
                 return await handler(requests, context)
             model, version = MODEL_NONE, ""
             first: bytes | None = None
+            tokens = 0
             if admission.per_model:
                 messages = requests.__aiter__()
                 try:
                     first = await messages.__anext__()
-                    model, version, _ = read_strings(first, *STREAM_FIELDS[:2])
-                except (StopAsyncIteration, WireError):
-                    pass  # no message, or one the upstream will judge: the global limit only
+                    model, version, _ = read_strings(first, *STREAM_FIELDS[:2], partial=True)
+                except StopAsyncIteration:
+                    pass  # no message: the global limit only
                 requests = _prepended(first, messages)
-            refusal = await admission.admit(model) if model else admission.acquire(MODEL_NONE)
+                # The first message pays for the stream; later ones are not charged
+                # (sidecar/README.md, "Overload protection").
+                if first is not None and model and admission.charges_tokens(model):
+                    tokens = request_tokens(first)
+            refusal = await admission.admit(model, tokens) if model else admission.acquire(MODEL_NONE)
             if refusal is not None:
                 tel = telemetry.begin(model, version, PROTOCOL_GRPC, None, span_name, attributes)
                 telemetry.end(tel, name, outcome, len(first or b""), 0)

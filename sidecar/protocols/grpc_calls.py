@@ -32,7 +32,9 @@ class Call:
         "admitted",
         "answer",
         "block",
+        "charge",
         "counted",
+        "data_in",
         "deadline",
         "dropped",
         "fields",
@@ -78,6 +80,11 @@ class Call:
         self.admitted = ""
         self.admit_later = False
         self.answer: tuple[str, str] | None = None  # the relay's own answer, sent once the model is known
+        # A model's tokens bucket: the charge of the (first) message while its bytes go by, the
+        # call admitted (under ``admitted``) on the message's last byte; and the DATA bytes seen
+        # before the message's head came (where its bytes after the head begin).
+        self.charge: Any = None
+        self.data_in = 0
         self.deadline: float | None = None
         # With tracing, a unary call's header block waits for its message: its place in the
         # connection's held output (-1: not waiting) and the block, edited, without traceparent.

@@ -48,6 +48,9 @@ UNARY_PATHS: dict[str, tuple[int, int]] = {
     f"/{SERVICE}/{name}": fields for name, fields in UNARY_METHODS.items()
 }
 STREAM_PATH = f"/{SERVICE}/{STREAM_METHOD}"
+# The unary method whose request is a ModelInferRequest, like every ModelStreamInfer message: the
+# calls a model's ``tokens`` bucket charges (sidecar.protocols.grpc_charge).
+INFER_PATH = f"/{SERVICE}/ModelInfer"
 
 # Status code number -> name (the metrics' ``code`` label), from the one table in telemetry.
 CODE_NAMES = {number: name for name, number in GRPC_CODES.items()}

@@ -24,7 +24,9 @@ metrics need:
   trailers closes the observation with that code.
 - **DATA**: the first bytes of each gRPC message (model name, version, request id: fields 1-3,
   ``sidecar.protocols.grpc_wire``); the rest is forwarded without a look. For ``ModelStreamInfer`` every
-  message on both sides is observed (``sidecar.protocols.grpc_streams``).
+  message on both sides is observed (``sidecar.protocols.grpc_streams``). A model with a ``tokens``
+  bucket is the exception: the whole request message (a stream's first) is read as it goes by
+  (``sidecar.protocols.grpc_charge``, never held), and the call admitted on its last byte.
 - **RST_STREAM**: a client's cancel goes upstream as it is, so the upstream stops working. An
   upstream's REFUSED_STREAM (never processed; a client's retry policy retries it) keeps the
   call's observation for a moment, and the retry continues it, so the call is counted once.
@@ -55,10 +57,12 @@ import hpack
 from inferwatch.contract import MODEL_NONE, PROTOCOL_GRPC
 from sidecar.core.telemetry import GRPC_CODES
 from sidecar.protocols.grpc_calls import OTHER, STREAM, UNARY, Call
+from sidecar.protocols.grpc_charge import RequestCharge
 from sidecar.protocols.grpc_methods import (
     CANCELLED,
     CODE_NAMES,
     DEADLINE_EXCEEDED,
+    INFER_PATH,
     INTERNAL,
     OK,
     PERMISSION_DENIED,
@@ -696,13 +700,25 @@ class _Conn:
         if st.kind != STREAM:
             st.req_bytes += stop - start  # DATA payload: the message and its 5-byte gRPC prefix
         scan = st.scan_in
-        if scan is None:
+        if scan is None and st.charge is None:
             return None
         data = bytes(buf[start:stop])
         if flags & PADDED and data:
             data = data[1 : len(data) - data[0]]
+        if st.charge is not None:
+            # A charged message going by: admitted on its last byte (or the client's end),
+            # before that frame goes up.
+            client_done = bool(flags & END_STREAM)
+            if (st.charge.feed(data) or client_done) and not self._admit_charged(sid, st, client_done, out):
+                if stop > start:  # bytes the upstream never sees: credit the client's window
+                    self._write_client(frame(WINDOW_UPDATE, 0, 0, (stop - start).to_bytes(4, "big")))
+                return b""
+            if scan is None:
+                return None
         heads: list = []
         scan.feed(data, heads)
+        offset = st.data_in  # the call's DATA bytes before this frame
+        st.data_in += len(data)
         relay = self.relay
         for length, head, compressed in heads:
             model = version = rid = ""
@@ -710,8 +726,25 @@ class _Conn:
                 model, version, rid = read_strings(
                     head, *st.fields, STREAM_FIELDS[2] if st.kind == STREAM else 0, partial=True
                 )
+            tokens = 0
+            if st.admit_later and self._charged(st, model, length):
+                # A tokens bucket: the charge is read from the whole message (its head, then the
+                # rest of this frame). Complete here: admitted now, as usual. Else the call's
+                # header block goes up and it is admitted on the message's last byte
+                # (``_admit_charged``): the upstream has not the whole message before that.
+                charge = RequestCharge(length, bool(compressed))
+                charge.feed(head)
+                rest = 5 + len(head) - offset  # the first message begins at the call's byte 5
+                if rest < len(data):
+                    charge.feed(data[rest:])
+                if charge.done or flags & END_STREAM:
+                    tokens = charge.tokens()
+                else:
+                    st.admit_later = False
+                    st.charge = charge
+                    st.admitted = model
             if st.hole >= 0:
-                if st.admit_later and not self._admit_held(st, model, out):
+                if st.admit_later and not self._admit_held(st, model, out, tokens):
                     # Shed by a per-model limit: its block never went up, nor will its message.
                     if stop > start:
                         self._write_client(frame(WINDOW_UPDATE, 0, 0, (stop - start).to_bytes(4, "big")))
@@ -720,7 +753,7 @@ class _Conn:
                     return b""
                 self._fill_hole(sid, st, out, model, version)
             elif st.admit_later and not self._admit_stream(
-                sid, st, model, version, length, bool(flags & END_STREAM), out
+                sid, st, model, version, length, bool(flags & END_STREAM), out, tokens
             ):
                 if stop > start:  # bytes the upstream never sees: credit the client's window
                     self._write_client(frame(WINDOW_UPDATE, 0, 0, (stop - start).to_bytes(4, "big")))
@@ -743,11 +776,21 @@ class _Conn:
             self._fill_hole(sid, st, out, MODEL_NONE, "")
         return None
 
-    def _admit_held(self, st: Call, model: str, out: list) -> bool:
+    def _charged(self, st: Call, model: str, length: int) -> bool:
+        """Whether the call's message pays ``model``'s tokens bucket (a ModelInferRequest of a
+        model with one; a message over the size limit is refused anyway)."""
+        return (
+            bool(model)
+            and (st.kind == STREAM or st.path == INFER_PATH)
+            and length <= self.relay.max_message
+            and self.relay.admission.charges_tokens(model)
+        )
+
+    def _admit_held(self, st: Call, model: str, out: list, tokens: int = 0) -> bool:
         """Admit a call held for its model (per-model limits). Refused: its held block is
         dropped and the call marked as answered by the relay (``st.answer``); False."""
         st.admit_later = False
-        refusal = self.relay.admission.acquire(model)  # no queue here: a full model sheds at once
+        refusal = self.relay.admission.acquire(model, tokens)  # no queue here: a full model sheds at once
         if refusal is None:
             st.counted = True
             st.admitted = model
@@ -761,14 +804,22 @@ class _Conn:
         return False
 
     def _admit_stream(
-        self, sid: int, st: Call, model: str, version: str, length: int, client_done: bool, out: list
+        self,
+        sid: int,
+        st: Call,
+        model: str,
+        version: str,
+        length: int,
+        client_done: bool,
+        out: list,
+        tokens: int = 0,
     ) -> bool:
         """Admit a stream on its first message (per-model limits). Refused (False): it is
         counted once, as that message (the model's request, RESOURCE_EXHAUSTED) and answered
         here; its upstream half, which saw only the header block, is reset; the client's later
         frames are dropped."""
         st.admit_later = False
-        refusal = self.relay.admission.acquire(model)  # no queue here, as for unary calls
+        refusal = self.relay.admission.acquire(model, tokens)  # no queue here, as for unary calls
         if refusal is None:
             st.counted = True
             st.admitted = model
@@ -777,6 +828,28 @@ class _Conn:
         out.append(frame(RST_STREAM, 0, sid, CANCEL.to_bytes(4, "big")))
         st.dropped = True
         st.pending.add("", self._begin(st, model, version), length + 5)
+        self.streams.pop(sid, None)
+        if not client_done:
+            self.refused.add(sid)
+        self._write_client(
+            self._end_here(sid, st, RESOURCE_EXHAUSTED, refusal.message)
+            + frame(RST_STREAM, 0, sid, NO_ERROR.to_bytes(4, "big"))
+        )
+        return False
+
+    def _admit_charged(self, sid: int, st: Call, client_done: bool, out: list) -> bool:
+        """Admit a call whose message's charge is known now, on the frame with the message's
+        last byte (or the client's end), before it goes up. Refused (False): answered here and
+        counted (its observation is open), its upstream half, which saw the header block and
+        the message's first bytes, reset: the upstream never had the whole message, so it ran
+        nothing; the client's later frames are dropped."""
+        charge, st.charge = st.charge, None
+        refusal = self.relay.admission.acquire(st.admitted, charge.tokens())
+        if refusal is None:
+            st.counted = True
+            return True
+        out.append(frame(RST_STREAM, 0, sid, CANCEL.to_bytes(4, "big")))
+        st.dropped = True
         self.streams.pop(sid, None)
         if not client_done:
             self.refused.add(sid)
