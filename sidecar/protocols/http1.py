@@ -96,10 +96,14 @@ REPLAY_LIMIT = 64 * 1024  # a request up to this size may be retried once on a s
 SAFE_METHODS = frozenset({b"GET", b"HEAD", b"OPTIONS"})
 # During a drain, a connection idle this long (no request started) is closed.
 DRAIN_IDLE_GRACE = 1.0
-# A pooled upstream connection idle this long is closed by the sweeper: before the 5 s
-# keep-alive timeout of uvicorn (vLLM's server) and Node, so such an upstream does not close
-# a connection at the moment a request is written to it (a POST then could not be replayed).
-POOL_IDLE_SECONDS = 4.0
+# A pooled upstream connection idle this long is not used again: well before the 5 s
+# keep-alive timeout of uvicorn (vLLM's, SGLang's server) and Node, so such an upstream does not
+# close a connection at the moment a request is written to it (a POST then could not be
+# replayed: a 502). Well before, because the upstream's clock starts when it sent the answer's
+# end and ours when we read it: on loaded cores a busy server's timer fires late and ours
+# starts late. At 4 s, 32 vLLM streams on two loaded cores still met 3 to 14 such 502s in some
+# runs (benchmarks/llm_streams.py); a new loopback connection costs far less than that.
+POOL_IDLE_SECONDS = 2.0
 SWEEP_INTERVAL = 0.25
 MAX_CACHED_ROUTES = 4096  # paths whose labels are cached: a flood of distinct URLs only costs re-parsing
 
