@@ -17,6 +17,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import http.client
 import json
 import os
@@ -26,8 +27,9 @@ import struct
 import threading
 import time
 from collections import Counter
+from collections.abc import AsyncIterator
 from pathlib import Path
-from typing import Protocol
+from typing import Any, Protocol
 
 import httpx
 import pytest
@@ -293,21 +295,28 @@ def test_a_get_is_replayed_and_a_post_whose_write_failed_is_sent_once() -> None:
     assert seen == [(0, POST.split(b"\r\n")[0]), (1, POST.split(b"\r\n")[0])]
 
 
-async def idle_pool_scenario() -> Seen:
+@contextlib.asynccontextmanager
+async def proxy_before_peer() -> AsyncIterator[tuple[Any, Peer]]:
+    """An in-process HTTP proxy in front of a ``Peer``; both stopped at the end."""
     peer = Peer()
     port = await peer.start()
     config = SidecarConfig(upstream_http=("127.0.0.1", port), host="127.0.0.1", http_port=0)
     proxy = await serve(config, Telemetry(CollectorRegistry(), config))
     try:
+        yield proxy, peer
+    finally:
+        await proxy.stop(1)
+        assert peer.server is not None
+        peer.server.close()
+
+
+async def idle_pool_scenario() -> Seen:
+    async with proxy_before_peer() as (proxy, peer):
         await ask(proxy.port, POST)
         await ask(proxy.port, POST)  # reuses the pooled connection
         await asyncio.sleep(POOL_IDLE_SECONDS + 0.75)
         assert not proxy.pool
         await ask(proxy.port, POST)  # a new connection: the idle one was closed by the sidecar
-    finally:
-        await proxy.stop(1)
-        assert peer.server is not None
-        peer.server.close()
     return peer.seen
 
 
@@ -498,11 +507,7 @@ def test_twenty_sigterms_under_load_fail_no_request(triton, tmp_path: Path) -> N
 
 
 async def late_sweeper_scenario() -> Seen:
-    peer = Peer()
-    port = await peer.start()
-    config = SidecarConfig(upstream_http=("127.0.0.1", port), host="127.0.0.1", http_port=0)
-    proxy = await serve(config, Telemetry(CollectorRegistry(), config))
-    try:
+    async with proxy_before_peer() as (proxy, peer):
         await ask(proxy.port, POST)
         assert len(proxy.pool) == 1
         # A busy event loop (32 streams on two loaded cores did it): the sweeper does not run
@@ -510,10 +515,6 @@ async def late_sweeper_scenario() -> Seen:
         # timeout may be closing it right now.
         time.sleep(POOL_IDLE_SECONDS + 0.5)
         await ask(proxy.port, POST)  # a new connection, whichever of sweeper or request runs first
-    finally:
-        await proxy.stop(1)
-        assert peer.server is not None
-        peer.server.close()
     return peer.seen
 
 

@@ -825,16 +825,8 @@ class _Conn:
             st.admitted = model
             return True
         assert st.pending is not None
-        out.append(frame(RST_STREAM, 0, sid, CANCEL.to_bytes(4, "big")))
-        st.dropped = True
         st.pending.add("", self._begin(st, model, version), length + 5)
-        self.streams.pop(sid, None)
-        if not client_done:
-            self.refused.add(sid)
-        self._write_client(
-            self._end_here(sid, st, RESOURCE_EXHAUSTED, refusal.message)
-            + frame(RST_STREAM, 0, sid, NO_ERROR.to_bytes(4, "big"))
-        )
+        self._shed_here(sid, st, client_done, out, refusal.message)
         return False
 
     def _admit_charged(self, sid: int, st: Call, client_done: bool, out: list) -> bool:
@@ -848,16 +840,22 @@ class _Conn:
         if refusal is None:
             st.counted = True
             return True
+        self._shed_here(sid, st, client_done, out, refusal.message)
+        return False
+
+    def _shed_here(self, sid: int, st: Call, client_done: bool, out: list, message: str) -> None:
+        """Shed a call whose header block already went up: its upstream half reset (CANCEL,
+        before the frame in hand), the client answered RESOURCE_EXHAUSTED here, its later
+        frames dropped."""
         out.append(frame(RST_STREAM, 0, sid, CANCEL.to_bytes(4, "big")))
         st.dropped = True
         self.streams.pop(sid, None)
         if not client_done:
             self.refused.add(sid)
         self._write_client(
-            self._end_here(sid, st, RESOURCE_EXHAUSTED, refusal.message)
+            self._end_here(sid, st, RESOURCE_EXHAUSTED, message)
             + frame(RST_STREAM, 0, sid, NO_ERROR.to_bytes(4, "big"))
         )
-        return False
 
     def _finish_over_limit(self, sid: int, st: Call, model: str, version: str, out: list) -> None:
         out.append(frame(RST_STREAM, 0, sid, CANCEL.to_bytes(4, "big")))
