@@ -178,9 +178,13 @@ def dashboard(spec: FleetSpec) -> g.Dashboard:
             ),
             p.timeseries(
                 "In flight at the sidecar and payload throughput",
-                "Requests the sidecar is holding (left axis) and request/response bytes per second.",
+                "Requests the sidecars are holding (left axis) and request/response bytes per second. "
+                "Dashed: the sum of the sidecars' concurrency limits for the model (the fleet spec's "
+                "limits.concurrency; with limits.adaptive, where each limit stands now): in flight "
+                "at the line means requests queue, then shed. No line: the model has no limit.",
                 p.targets(
                     (f"sum({p.sel(c.REQUESTS_IN_FLIGHT, p.MODEL_SEL)})", "in flight"),
+                    (f"sum({p.sel(c.CONCURRENCY_LIMIT, p.MODEL_SEL)})", "concurrency limit"),
                     (
                         f"sum by (protocol) ({p.rate(c.REQUEST_BYTES, p.MODEL_SEL)})",
                         "request bytes {{protocol}}",
@@ -193,6 +197,7 @@ def dashboard(spec: FleetSpec) -> g.Dashboard:
                 "short",
                 "requests",
                 overrides=[
+                    p.dashed("concurrency limit", p.WARN),
                     {
                         "matcher": {"id": "byRegexp", "options": "^(request|response) bytes.*"},
                         "properties": [
@@ -200,7 +205,7 @@ def dashboard(spec: FleetSpec) -> g.Dashboard:
                             {"id": "custom.axisPlacement", "value": "right"},
                             {"id": "custom.axisLabel", "value": "bytes/s"},
                         ],
-                    }
+                    },
                 ],
                 w=8,
             ),

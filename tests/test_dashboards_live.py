@@ -85,12 +85,17 @@ def stack(tmp_path_factory: pytest.TempPathFactory, triton, _gpu_exporter_sessio
     threads: list[threading.Thread] = []
     try:
         http_port, grpc_port, metrics_port = free_port(), free_port(), free_port()
+        # The demo's spec with a concurrency limit far above this traffic, so the limit's line
+        # (Model detail) has data and nothing is shed.
+        sidecar_spec = yaml.safe_load((ROOT / "fleet.demo.yaml").read_text())
+        sidecar_spec["defaults"]["limits"] = {"concurrency": 256, "queue": 256}
+        (log_dir / "sidecar-fleet.yaml").write_text(yaml.safe_dump(sidecar_spec))
         sidecar = procs.start(
             "sidecar",
             _sidecar_cmd(
                 "--upstream-http", triton.http_url, "--upstream-grpc", triton.grpc_url,
                 "--host", "127.0.0.1", "--http-port", str(http_port), "--grpc-port", str(grpc_port),
-                "--metrics-port", str(metrics_port), "--spec", str(ROOT / "fleet.demo.yaml"),
+                "--metrics-port", str(metrics_port), "--spec", str(log_dir / "sidecar-fleet.yaml"),
                 "--request-timeout", str(SIDECAR_REQUEST_TIMEOUT_S),
             ),
         )  # fmt: skip
