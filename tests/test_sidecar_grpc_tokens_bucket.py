@@ -7,6 +7,10 @@ A ``ModelInfer`` call, and a ``ModelStreamInfer`` stream's first message, is cha
 tritonclient sends): K are admitted, the next is shed (RESOURCE_EXHAUSTED, reason ``tokens``),
 and Triton never runs it. A bucket that charged the default, or nothing, would admit another
 number. ``fill_rate`` 0.01/s: nothing refills during the burst.
+
+A stream gets back, at its end, what it was charged and not sent (its prompt estimate and the
+tokens it was sent, every request, are what it used): the bursts keep their streams open until
+the last is tried, and one test checks the refund to the token.
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ from tritonclient.grpc import service_pb2 as pb
 from tritonclient.utils import InferenceServerException
 
 from inferwatch import contract
+from reference_server import faults
 from reference_server.catalog import example_input
 from sidecar.apis.charge import BYTES_PER_TOKEN, DEFAULT_MAX_TOKENS
 from tests.fixtures.sidecar import launch_sidecar
@@ -132,7 +137,15 @@ def test_a_streams_first_message_pays_its_charge(triton, tmp_path, engine, sourc
     ) as sc:
         before = sc.counts(REQUESTS, "model", "protocol", "code")
         before_triton = triton_success_count(triton, STREAM_MODEL)
-        answers = [one_stream(sc.grpc_url, inputs, parameters) for _ in range(k + 1)]
+        streams, answers = [], []
+        try:  # each stream stays open: the refund at its end would refill the bucket
+            for _ in range(k + 1):
+                streams.append(Stream(sc.grpc_url))
+                streams[-1].send(inputs, parameters)
+                answers.append(streams[-1].answer())
+        finally:
+            for stream in streams:
+                stream.close()
         after = sc.counts(REQUESTS, "model", "protocol", "code")
         shed = sc.counts(SHED, "model", "reason")
         after_triton = triton_success_count(triton, STREAM_MODEL)
@@ -169,6 +182,38 @@ def test_later_messages_of_a_stream_are_not_charged(triton, tmp_path, engine) ->
 
     assert answers == [("OK", "3")] * 3, answers
     assert next_stream[0] == "StatusCode.RESOURCE_EXHAUSTED", next_stream
+    assert shed.get((STREAM_MODEL, "tokens")) == 1
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+def test_a_stream_failed_after_3_tokens_costs_its_estimate_plus_3(triton, tmp_path, engine) -> None:
+    """A bucket of exactly one stream's charge (prompt estimate + max_tokens 64) that refills
+    ~nothing. That stream fails after 3 tokens: at its end the bucket gets back 64 - 3, to the
+    token, so a stream charged exactly that is admitted (without the refund: shed) and one
+    charged a token more is shed. max_tokens is an INT32 tensor: every message here is the same
+    size, so the prompt estimate is one figure."""
+    prompt = b"alpha beta"
+    estimate = charge_of(stream_message(*stream_request("tensor", 64, prompt)), 0)
+    capacity = estimate + 64
+    left = capacity - (estimate + 3)
+    spec = write_spec(tmp_path, {STREAM_MODEL: {"tokens": {"capacity": capacity, "fill_rate": 0.0001}}})
+    faults.clear(state_dir=triton.state_dir)
+    try:
+        faults.set_fault(STREAM_MODEL, "1", error_after_tokens=3, state_dir=triton.state_dir)
+        with launch_sidecar(
+            triton.http_url, triton.grpc_url, tmp_path, "--spec", str(spec), "--grpc-engine", engine
+        ) as sc:
+            failed = one_stream(sc.grpc_url, *stream_request("tensor", 64, prompt))
+            faults.clear(state_dir=triton.state_dir)
+            over = one_stream(sc.grpc_url, *stream_request("tensor", left - estimate + 1, prompt))
+            exact = one_stream(sc.grpc_url, *stream_request("tensor", left - estimate, prompt))
+            shed = sc.counts(SHED, "model", "reason")
+    finally:
+        faults.clear(state_dir=triton.state_dir)
+
+    assert failed[0] not in ("OK", "StatusCode.RESOURCE_EXHAUSTED"), failed  # Triton's in-stream error
+    assert over[0] == "StatusCode.RESOURCE_EXHAUSTED" and "tokens/s" in over[1], over
+    assert exact == ("OK", str(left - estimate)), exact  # admitted, served whole
     assert shed.get((STREAM_MODEL, "tokens")) == 1
 
 

@@ -23,7 +23,8 @@ The cost, as the spec says ("prompt estimate + max_tokens"):
 
 A negative or zero value is charged as 0 generated tokens (the upstream refuses it anyway).
 
-The refund (``used``; the HTTP proxy calls ``Admission.refund`` once, at the exchange's end):
+The refund (``used``; the HTTP proxy calls ``Admission.refund`` once, at the exchange's end; a
+gRPC stream is refunded by its own count, ``sidecar.protocols.grpc_tokens``):
 the bucket gets back ``charged - used``, never negative (an answer longer than its charge is not
 charged more afterwards), the bucket never above its capacity. What a request used:
 

@@ -40,6 +40,7 @@ import grpc
 import grpc.aio
 
 from inferwatch.contract import MODEL_NONE, PROTOCOL_GRPC
+from sidecar.apis.charge import prompt_estimate
 from sidecar.config import GRPC_ENGINES, SidecarConfig
 from sidecar.core.admission import Admission
 from sidecar.core.health import UpstreamHealth
@@ -269,9 +270,11 @@ class GrpcProxy:
         span_name, attributes = span_attributes(path)
 
         async def limited(requests: AsyncIterator[bytes], context: grpc.aio.ServicerContext) -> Any:
+            # The call's token counts: the handler records them, a charge is refunded by them.
+            tokens_seen = StreamTokens(self.streams) if self.streams is not None else None
             # Checked per stream: a SIGHUP may turn per-model limits on or off.
             if not admission.per_model and not admission.limit:
-                return await handler(requests, context)
+                return await handler(requests, context, tokens_seen)
             model, version = MODEL_NONE, ""
             first: bytes | None = None
             tokens = 0
@@ -293,8 +296,12 @@ class GrpcProxy:
                 telemetry.end(tel, name, outcome, len(first or b""), 0)
                 await context.abort(_EXHAUSTED, refusal.message)
             try:
-                return await handler(requests, context)
+                return await handler(requests, context, tokens_seen)
             finally:
+                if tokens and tokens_seen is not None:
+                    # What it did not use back: as the relay (grpc_relay_conn, ``_release``).
+                    spent = prompt_estimate(len(first or b"")) + tokens_seen.generated
+                    admission.refund(model, tokens, spent)
                 admission.release(model)
 
         return limited
@@ -365,14 +372,16 @@ class GrpcProxy:
         ok_name, ok_outcome = codes[_OK]
         span_name, attributes = span_attributes(path)
 
-        async def handler(requests: AsyncIterator[bytes], context: grpc.aio.ServicerContext) -> None:
+        async def handler(
+            requests: AsyncIterator[bytes], context: grpc.aio.ServicerContext, tokens: StreamTokens | None
+        ) -> None:
             # One upstream stream for the client's stream; its metadata (traceparent included)
-            # is the client's, since it is sent before any message exists.
+            # is the client's, since it is sent before any message exists. ``tokens``: the
+            # call's token timing (None: not recorded), from ``_limited_stream``.
             metadata = forwarded_metadata(context.invocation_metadata())
             traceparent = traceparent_of(metadata)
             call = upstream(timeout=self._timeout_for(context), metadata=metadata)
             streams = StreamMatcher()  # requests awaiting their response
-            tokens = StreamTokens(self.streams) if self.streams is not None else None
 
             async def pump() -> None:
                 async for msg in requests:

@@ -33,6 +33,7 @@ class Call:
         "answer",
         "block",
         "charge",
+        "charged",
         "counted",
         "data_in",
         "deadline",
@@ -43,6 +44,7 @@ class Call:
         "kind",
         "path",
         "pending",
+        "prompt",
         "req_bytes",
         "resp_bytes",
         "scan_in",
@@ -85,6 +87,10 @@ class Call:
         # before the message's head came (where its bytes after the head begin).
         self.charge: Any = None
         self.data_in = 0
+        # A stream admitted with a tokens charge: the charge and its prompt estimate, for the
+        # refund at its end (the tokens it was sent are what it used of max_tokens).
+        self.charged = 0
+        self.prompt = 0
         self.deadline: float | None = None
         # With tracing, a unary call's header block waits for its message: its place in the
         # connection's held output (-1: not waiting) and the block, edited, without traceparent.

@@ -26,7 +26,8 @@ metrics need:
   ``sidecar.protocols.grpc_wire``); the rest is forwarded without a look. For ``ModelStreamInfer`` every
   message on both sides is observed (``sidecar.protocols.grpc_streams``). A model with a ``tokens``
   bucket is the exception: the whole request message (a stream's first) is read as it goes by
-  (``sidecar.protocols.grpc_charge``, never held), and the call admitted on its last byte.
+  (``sidecar.protocols.grpc_charge``, never held), and the call admitted on its last byte; a
+  stream gets back at its end what it was charged and not sent (``_release``).
 - **RST_STREAM**: a client's cancel goes upstream as it is, so the upstream stops working. An
   upstream's REFUSED_STREAM (never processed; a client's retry policy retries it) keeps the
   call's observation for a moment, and the retry continues it, so the call is counted once.
@@ -55,6 +56,7 @@ from typing import Any
 import hpack
 
 from inferwatch.contract import MODEL_NONE, PROTOCOL_GRPC
+from sidecar.apis.charge import prompt_estimate
 from sidecar.core.telemetry import GRPC_CODES
 from sidecar.protocols.grpc_calls import OTHER, STREAM, UNARY, Call
 from sidecar.protocols.grpc_charge import RequestCharge
@@ -420,6 +422,11 @@ class _Conn:
     def _release(self, st: Call) -> None:
         if st.counted:
             st.counted = False
+            if st.charged and st.tokens is not None:
+                # A charged stream gets back what it did not use: its prompt estimate and the
+                # tokens it was sent, every request, are what it used (a unary call keeps its
+                # charge: its answer's tokens are not counted).
+                self.relay.admission.refund(st.admitted, st.charged, st.prompt + st.tokens.generated)
             # A unary call's time since its message was read (where per-model limits admit it)
             # steers an adaptive limit; a stream's life is not a latency.
             tel = st.tel if st.kind == UNARY else None
@@ -823,6 +830,8 @@ class _Conn:
         if refusal is None:
             st.counted = True
             st.admitted = model
+            if tokens:
+                st.charged, st.prompt = tokens, prompt_estimate(length)
             return True
         assert st.pending is not None
         st.pending.add("", self._begin(st, model, version), length + 5)
@@ -836,9 +845,12 @@ class _Conn:
         the message's first bytes, reset: the upstream never had the whole message, so it ran
         nothing; the client's later frames are dropped."""
         charge, st.charge = st.charge, None
-        refusal = self.relay.admission.acquire(st.admitted, charge.tokens())
+        tokens = charge.tokens()
+        refusal = self.relay.admission.acquire(st.admitted, tokens)
         if refusal is None:
             st.counted = True
+            if st.kind == STREAM:
+                st.charged, st.prompt = tokens, prompt_estimate(charge.length)
             return True
         self._shed_here(sid, st, client_done, out, refusal.message)
         return False

@@ -12,6 +12,8 @@ Per request message on the stream (its observation from ``Telemetry.begin``), a
   generation tokens are counted and TPOT observed (``hooks.Stream``'s arithmetic);
 - a mid-stream error is already the request's outcome (``server_error``, from its code); the
   tokens sent before it are counted.
+- ``generated`` totals the call's tokens, every request: a stream charged by a ``tokens``
+  bucket is refunded against it at the call's end (``Admission.refund``).
 
 ``streams`` is the LLM telemetry (``sidecar.core.streams.StreamTelemetry``). Unary calls never
 reach this module.
@@ -32,11 +34,12 @@ class StreamTokens:
     Fed each response before the stream matcher closes anything (``response``), and each
     request as the matcher hands it back (``closed``)."""
 
-    __slots__ = ("open", "streams")
+    __slots__ = ("generated", "open", "streams")
 
     def __init__(self, streams: Any) -> None:
         self.streams = streams
         self.open: dict[Any, Stream] = {}  # observation -> its tokens, while it has any
+        self.generated = 0  # the call's tokens so far, every request
 
     def response(self, matcher: Any, head: bytes, rid: str, error: str) -> None:
         """A response (or its head): with text, a token of the oldest open request of ``rid``."""
@@ -49,6 +52,7 @@ class StreamTokens:
         if stream is None:
             stream = self.open[tel] = Stream(self.streams.token_stream(tel))
         stream.content(time.perf_counter(), 1)
+        self.generated += 1
 
     def closed(self, tel: Any, truncated: bool = False) -> None:
         """The request ``tel`` is over: record its tokens (before its observation ends)."""
