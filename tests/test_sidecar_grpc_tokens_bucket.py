@@ -56,6 +56,14 @@ def counted(before: dict, after: dict, key: tuple[str, ...]) -> float:
     return after.get(key, 0.0) - before.get(key, 0.0)
 
 
+def sidecar_with(triton, tmp_path, limits: dict, engine: str):
+    """``inferwatch sidecar`` on ``engine`` in front of the real Triton, ``limits`` per model."""
+    spec = write_spec(tmp_path, limits)
+    return launch_sidecar(
+        triton.http_url, triton.grpc_url, tmp_path, "--spec", str(spec), "--grpc-engine", engine
+    )
+
+
 # --------------------------------------------------------------------------- ModelStreamInfer
 
 
@@ -131,10 +139,8 @@ def test_a_streams_first_message_pays_its_charge(triton, tmp_path, engine, sourc
     k = 3
     inputs, parameters = stream_request(source, generated, prompt)
     cost = charge_of(stream_message(inputs, parameters), generated)
-    spec = write_spec(tmp_path, {STREAM_MODEL: bucket(cost, k)})
-    with launch_sidecar(
-        triton.http_url, triton.grpc_url, tmp_path, "--spec", str(spec), "--grpc-engine", engine
-    ) as sc:
+    limits = {STREAM_MODEL: bucket(cost, k)}
+    with sidecar_with(triton, tmp_path, limits, engine) as sc:
         before = sc.counts(REQUESTS, "model", "protocol", "code")
         before_triton = triton_success_count(triton, STREAM_MODEL)
         streams, answers = [], []
@@ -165,10 +171,8 @@ def test_a_streams_first_message_pays_its_charge(triton, tmp_path, engine, sourc
 def test_later_messages_of_a_stream_are_not_charged(triton, tmp_path, engine) -> None:
     inputs, parameters = stream_request("tensor", 3, b"alpha beta")
     cost = charge_of(stream_message(inputs, parameters), 3)
-    spec = write_spec(tmp_path, {STREAM_MODEL: bucket(cost, 1)})
-    with launch_sidecar(
-        triton.http_url, triton.grpc_url, tmp_path, "--spec", str(spec), "--grpc-engine", engine
-    ) as sc:
+    limits = {STREAM_MODEL: bucket(cost, 1)}
+    with sidecar_with(triton, tmp_path, limits, engine) as sc:
         s = Stream(sc.grpc_url)
         try:
             answers = []
@@ -196,13 +200,11 @@ def test_a_stream_failed_after_3_tokens_costs_its_estimate_plus_3(triton, tmp_pa
     estimate = charge_of(stream_message(*stream_request("tensor", 64, prompt)), 0)
     capacity = estimate + 64
     left = capacity - (estimate + 3)
-    spec = write_spec(tmp_path, {STREAM_MODEL: {"tokens": {"capacity": capacity, "fill_rate": 0.0001}}})
+    limits = {STREAM_MODEL: {"tokens": {"capacity": capacity, "fill_rate": 0.0001}}}
     faults.clear(state_dir=triton.state_dir)
     try:
         faults.set_fault(STREAM_MODEL, "1", error_after_tokens=3, state_dir=triton.state_dir)
-        with launch_sidecar(
-            triton.http_url, triton.grpc_url, tmp_path, "--spec", str(spec), "--grpc-engine", engine
-        ) as sc:
+        with sidecar_with(triton, tmp_path, limits, engine) as sc:
             failed = one_stream(sc.grpc_url, *stream_request("tensor", 64, prompt))
             faults.clear(state_dir=triton.state_dir)
             over = one_stream(sc.grpc_url, *stream_request("tensor", left - estimate + 1, prompt))
@@ -244,10 +246,8 @@ def test_model_infer_pays_its_charge(triton, tmp_path, engine, parameters, gener
     k = 4
     inputs, msg = ranker_call(parameters)
     cost = charge_of(msg, generated)
-    spec = write_spec(tmp_path, {UNARY_MODEL: bucket(cost, k)})
-    with launch_sidecar(
-        triton.http_url, triton.grpc_url, tmp_path, "--spec", str(spec), "--grpc-engine", engine
-    ) as sc:
+    limits = {UNARY_MODEL: bucket(cost, k)}
+    with sidecar_with(triton, tmp_path, limits, engine) as sc:
         before = sc.counts(REQUESTS, "model", "protocol", "code")
         before_triton = triton_success_count(triton, UNARY_MODEL)
         client = tgrpc.InferenceServerClient(sc.grpc_url)
@@ -281,10 +281,8 @@ def test_a_malformed_message_is_charged_the_default(triton, tmp_path, engine) ->
     the default, sent to Triton (which refuses it), never a fault of the sidecar."""
     message = pb.ModelInferRequest(model_name=UNARY_MODEL).SerializeToString() + b"\x0b" + b"\x00" * 37
     cost = -(-len(message) // BYTES_PER_TOKEN) + DEFAULT_MAX_TOKENS
-    spec = write_spec(tmp_path, {UNARY_MODEL: bucket(cost, 1)})
-    with launch_sidecar(
-        triton.http_url, triton.grpc_url, tmp_path, "--spec", str(spec), "--grpc-engine", engine
-    ) as sc:
+    limits = {UNARY_MODEL: bucket(cost, 1)}
+    with sidecar_with(triton, tmp_path, limits, engine) as sc:
         with grpc.insecure_channel(sc.grpc_url) as channel:
             call = channel.unary_unary(INFER)  # no serializers: the bytes as they are
             codes = []
